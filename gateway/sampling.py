@@ -1,0 +1,134 @@
+"""The request's sampling transform: raw logits -> the distribution a token is drawn from.
+
+Both sides of the gateway apply this one function: the edge to its draft model's logits (the
+distribution it really samples drafted tokens from) and the verifier to the target model's
+logits (the distribution the output must follow). Exactness of speculative sampling only needs
+each side to report the distribution it used, so there is a single definition here.
+
+Temperature 0 means greedy: the distribution is one-hot at the argmax (ties go to the lowest
+token id, as ``torch.argmax`` does), which makes greedy verification a special case of the
+general acceptance rule.
+
+Randomness is drawn from generators seeded by (request seed, absolute token position), so a
+retried verify call, and a request repeated with the same seed, draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How one request samples its tokens."""
+
+    temperature: float = 1.0
+    """0 is greedy; larger values flatten the distribution."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 (or -1) keeps all."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (always the top one)."""
+    seed: int = 0
+    """Seeds every random draw of the request, together with the token's absolute position."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def random_seed() -> int:
+    """A fresh seed for a request that did not bring one."""
+    return secrets.randbelow(MAX_SEED)
+
+
+def processed_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Logits [..., vocab] -> float32 probabilities [..., vocab] after temperature/top-k/top-p."""
+    logits = logits.float()
+    if config.is_greedy:
+        return one_hot_argmax(logits)
+    logits = logits / config.temperature
+    if config.top_k > 0 and config.top_k < logits.shape[-1]:
+        logits = _mask_outside_top_k(logits, config.top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if config.top_p < 1.0:
+        probs = _mask_outside_top_p(probs, config.top_p)
+    return probs
+
+
+def one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    top_ids = logits.argmax(dim=-1, keepdim=True)
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, top_ids, 1.0)
+
+
+def _mask_outside_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _mask_outside_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    # Sort descending; a token is kept when the mass strictly before it is < top_p.
+    # Example: probs (0.5, 0.3, 0.2), top_p 0.7 -> mass before = (0, 0.5, 0.8) -> keep 0.5 and 0.3.
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_keep = mass_before < top_p
+    keep = torch.zeros_like(sorted_keep).scatter_(-1, sorted_ids, sorted_keep)
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def truncate_to_top_n(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One distribution [vocab] -> (token_ids [n], probs [n]) of its n <= max_support most likely
+    tokens with non-zero mass, renormalised. Sampling from the truncated distribution and
+    reporting it keeps verification exact, and keeps the upload small."""
+    num_nonzero = int((probs > 0).sum())
+    top = torch.topk(probs, min(max_support, num_nonzero))
+    return top.indices, top.values / top.values.sum()
+
+
+def position_generator(seed: int, position: int, stream: str = "target") -> torch.Generator:
+    """A CPU generator for one absolute token position of one request.
+
+    Seeded by a hash of (stream, seed, position), so positions and streams draw independently
+    and a repeated call for the same position draws the same numbers.
+    """
+    digest = hashlib.blake2b(f"{stream}:{seed}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") & MAX_SEED)
+
+
+def position_uniforms(seed: int, first_position: int, count: int, stream: str = "target") -> torch.Tensor:
+    """[count, 2] float64 uniforms in [0, 1): per position, one for the accept test and one for
+    drawing a token. ``stream`` separates independent users of one seed (the verifier draws
+    from "target", the edge's drafter from "draft")."""
+    rows = [
+        torch.rand(2, generator=position_generator(seed, first_position + offset, stream), dtype=torch.float64)
+        for offset in range(count)
+    ]
+    return torch.stack(rows) if rows else torch.empty(0, 2, dtype=torch.float64)
+
+
+def sample_from(probs: torch.Tensor, uniform: float) -> int:
+    """Inverse-CDF draw of one token from a distribution [vocab] with a uniform in [0, 1).
+
+    Never returns a token of zero mass: the draw is the first index whose cumulative mass
+    exceeds ``uniform * total``, clamped to the last token with mass (guards the rounding case
+    uniform * total == total).
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[-1]
+    index = int(torch.searchsorted(cdf, (uniform * total).reshape(1), right=True))
+    last_with_mass = int(torch.nonzero(probs > 0)[-1])
+    return min(index, last_with_mass)

@@ -1,0 +1,91 @@
+"""The contract every verifier backend implements (transformers, vLLM).
+
+The service (``verifier_service.service``) owns the wire: validation, the session registry,
+digests, retries. A backend owns the target model and whatever cache it keeps per session, and
+answers one question: for this committed context and drafted block, how many drafted tokens
+are accepted and what is the next token. It must answer with exactly the distribution of
+sampling from the target alone (see ``verifier_service.acceptance``).
+
+A block with no drafted tokens is allowed internally: it is one step of target-only decoding
+(the verifier's own OpenAI routes use it); the wire refuses empty blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+from gateway.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    """The id users pass as ``model`` and ``/v1/models`` lists."""
+    vocab_size: int
+    """Rows of the model's output distribution; valid token ids are below it."""
+    max_context_length: int
+    eos_token_ids: frozenset[int]
+    tokenizer: object = field(repr=False)
+    """A transformers tokenizer (chat template, decoding) for the OpenAI routes."""
+    tokenizer_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class BlockToVerify:
+    session_id: str
+    context_token_ids: list[int]
+    """The whole committed context (prompt + tokens generated so far), at least one token."""
+    draft_token_ids: list[int]
+    """The drafted block; empty for one step of target-only decoding."""
+    draft_probs: torch.Tensor | None
+    """[num_drafted, vocab] float32, each row the distribution the drafted token was sampled
+    from (after the edge's transform and top-N truncation); None = greedy draft (one-hot)."""
+    sampling: SamplingConfig
+
+    @property
+    def num_drafted(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def first_draft_position(self) -> int:
+        """Absolute position of the first drafted token (seeds its random draws)."""
+        return len(self.context_token_ids)
+
+
+@dataclass(frozen=True)
+class BlockVerdict:
+    num_accepted: int
+    next_token_id: int
+    is_bonus: bool
+    """True when all drafted tokens were accepted and next_token_id is the bonus token."""
+    logprobs: list[float]
+    """Raw target log-probabilities of the emitted tokens (accepted drafts then next), length
+    num_accepted + 1."""
+    num_target_tokens: int
+    """Tokens that went through the target's forward pass for this block."""
+    queue_s: float
+    forward_s: float
+
+
+class VerifierBackend(abc.ABC):
+    """One target model behind the verify contract."""
+
+    name: str = "base"
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> ModelInfo: ...
+
+    @abc.abstractmethod
+    async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
+        """Score the block with one forward pass and apply the acceptance rule."""
+
+    @abc.abstractmethod
+    def release_session(self, session_id: str) -> None:
+        """Drop whatever the backend caches for the session (idempotent)."""
+
+    async def aclose(self) -> None:
+        """Free the model and worker threads."""

@@ -1,0 +1,131 @@
+"""The edge <-> verifier wire: the one definition both sides import.
+
+A verify call asks: given the committed context and a block of drafted tokens, which does the
+target accept, and what comes next?
+
+Session protocol. The verifier keeps, per ``session_id``, the committed context it has seen and
+the target's KV cache over it. After answering a call it appends the accepted drafted tokens and
+the next token to that context itself, so the following call normally carries no context at
+all, only ``prefix_length`` (= the committed length) with its ``prefix_digest`` and the new
+block. When the edge holds committed tokens the verifier has not seen, it sends them in
+``new_tokens``. On an unknown session or a mismatching length/digest the verifier answers 409
+(code ``session_resync_required``) and the edge repeats the call with ``prefix_length = 0`` and
+the whole context in ``new_tokens``; the verifier then reuses whatever cached prefix matches.
+
+Retries. The verifier remembers its last answer per session, keyed by the request's
+fingerprint, so a call repeated after a lost response gets the same answer back instead of
+advancing the session twice.
+
+Example, context c0..c9 committed, the verifier already holds all ten:
+    {"session_id": "s", "prefix_length": 10, "prefix_digest": digest(c0..c9), "new_tokens": [],
+     "draft_tokens": [d0, d1, d2], "draft_probs": null, "sampling": {"temperature": 0, ...}}
+    -> {"num_accepted": 2, "next_token": t, "context_length": 13, ...}
+    the committed context is now c0..c9 d0 d1 t (length 13).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gateway.sampling import SamplingConfig
+
+SESSION_RESYNC_CODE = "session_resync_required"
+
+
+def context_digest(token_ids: list[int]) -> str:
+    """Digest of a committed token sequence (both sides compute it the same way)."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(b",".join(str(token_id).encode() for token_id in token_ids))
+    return hasher.hexdigest()
+
+
+class WireSampling(BaseModel):
+    """The request's sampling transform, as applied to the target's logits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(0, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = Field(0, ge=0, description="Seeds the acceptance draws with the token position.")
+
+    def to_config(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
+
+    @classmethod
+    def from_config(cls, config: SamplingConfig) -> "WireSampling":
+        return cls(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed)
+
+
+class SparseDistribution(BaseModel):
+    """The distribution one drafted token was sampled from: its support and their probabilities."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(min_length=1)
+    probs: list[float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "SparseDistribution":
+        if len(self.token_ids) != len(self.probs):
+            raise ValueError("token_ids and probs must have the same length")
+        if len(set(self.token_ids)) != len(self.token_ids):
+            raise ValueError("token_ids must not repeat")
+        return self
+
+
+class VerifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    session_id: str = Field(min_length=1, max_length=128)
+    prefix_length: int = Field(ge=0, description="Committed tokens the edge assumes the verifier holds.")
+    prefix_digest: str = Field(description="context_digest of those prefix_length tokens.")
+    new_tokens: list[int] = Field(default_factory=list, description="Committed tokens past prefix_length.")
+    draft_tokens: list[int] = Field(description="The drafted block, at least one token.")
+    draft_probs: list[SparseDistribution] | None = Field(
+        None, description="Per drafted token, the distribution it was sampled from; null = greedy draft."
+    )
+    sampling: WireSampling = Field(default_factory=WireSampling)
+
+    def fingerprint(self) -> str:
+        return hashlib.blake2b(self.model_dump_json().encode(), digest_size=16).hexdigest()
+
+
+class VerifyTimings(BaseModel):
+    queue_ms: float = Field(description="Waiting for the target (other sessions' forwards).")
+    forward_ms: float = Field(description="The target's forward pass and the acceptance math.")
+    total_ms: float = Field(description="From receiving the call to answering it.")
+
+
+class VerifyResponse(BaseModel):
+    session_id: str
+    num_accepted: int = Field(description="Leading drafted tokens the target accepted.")
+    next_token: int = Field(description="The correction (after a rejection) or the bonus token.")
+    next_token_kind: Literal["correction", "bonus"]
+    logprobs: list[float] = Field(
+        description="The target's raw log-probability of each emitted token: accepted drafts, then next."
+    )
+    context_length: int = Field(description="Committed length after this call (context + accepted + next).")
+    num_target_tokens: int = Field(description="Tokens in the target's forward pass for this call.")
+    timings: VerifyTimings
+    replayed: bool = Field(False, description="True when this answers a retried call from memory.")
+
+
+class SessionDeleted(BaseModel):
+    session_id: str
+    deleted: bool
+
+
+class VerifierHealth(BaseModel):
+    status: Literal["ok", "loading"]
+    model: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_context_length: int
+    max_draft_tokens: int
+    max_draft_support: int
+    eos_token_ids: list[int]
+    backend: str
