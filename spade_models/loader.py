@@ -1,9 +1,23 @@
-"""Load a causal LM and its tokenizer from a model source, the same way for both services."""
+"""Load a causal LM and its tokenizer from a model source, the same way for both services.
+
+A source is a registry name (``qwen2.5-coder-1.5b-instruct``, pulled into the cache), a GGUF
+file, a directory or hub repo with a GGUF file in it, or an ordinary transformers checkpoint.
+
+GGUF files are dequantized by transformers, which takes most of a minute for the 1.5B on two
+cores. So the first load of a GGUF saves the dequantized model (safetensors, in the requested
+dtype) and its tokenizer under ``<cache>/converted/<key>-<dtype>/``, and later loads read that
+directory instead. The key is the pinned sha256 for a registry name, and file name + size +
+mtime for any other GGUF file (hashing a gigabyte at every start would cost seconds).
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,10 +25,16 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from spade_models.pull import pull, resolve_cache_dir
+from spade_models.registry import get_registered, is_registered
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+CONVERTED_MARKER = "spade_converted.json"
+"""Written last into a converted directory: its presence means the directory is complete."""
 
 
 @dataclass(frozen=True)
@@ -22,14 +42,23 @@ class ModelSource:
     """Where a model comes from."""
 
     model: str
-    """A Hugging Face id, a local directory, or a path to a .gguf file."""
+    """A registry name (see ``spade-models list``), a Hugging Face id, a local directory, or a
+    path to a .gguf file."""
     gguf_file: str | None = None
     """The GGUF file inside ``model`` (a directory or hub repo) to load and dequantize."""
+    cache_dir: str | None = None
+    """Pulled and converted models live here; None means ``$SPADE_CACHE_DIR`` or ~/.cache/spade."""
+
+    @property
+    def is_registered(self) -> bool:
+        return self.gguf_file is None and is_registered(self.model)
 
     @property
     def model_id(self) -> str:
-        """The id users pass as ``model``: the directory or file name, or the hub id."""
+        """The id users pass as ``model``: the registry name, the directory or file name, or the hub id."""
         path = Path(self.model)
+        if self.is_registered:
+            return self.model
         if self.gguf_file:
             return Path(self.gguf_file).stem
         if path.suffix == ".gguf":
@@ -46,6 +75,8 @@ class LoadedModel:
     dtype: str
     load_seconds: float
     num_parameters: int
+    loaded_from: str = ""
+    """The directory or file the weights were read from (a converted cache directory, when one was used)."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -55,15 +86,15 @@ def parse_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose from {sorted(set(DTYPES))}") from None
 
 
+def dtype_name(name: str) -> str:
+    """Canonical spelling: "fp32" -> "float32"."""
+    return str(parse_dtype(name)).removeprefix("torch.")
+
+
 def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """Load model + tokenizer in eval mode on ``device`` with ``dtype``."""
     started = time.perf_counter()
-    directory, gguf_file = _split_gguf(source)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=parse_dtype(dtype), attn_implementation="eager", **kwargs
-    )
+    model, tokenizer, loaded_from = _load_weights(source, dtype_name(dtype))
     model = model.to(device).eval()
     loaded = LoadedModel(
         model=model,
@@ -73,19 +104,166 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
         dtype=str(model.dtype).removeprefix("torch."),
         load_seconds=time.perf_counter() - started,
         num_parameters=sum(parameter.numel() for parameter in model.parameters()),
+        loaded_from=loaded_from,
     )
-    logger.info(
-        "loaded %s (%.1f M parameters, %s on %s) in %.1f s",
-        loaded.model_id, loaded.num_parameters / 1e6, loaded.dtype, device, loaded.load_seconds,
-    )
+    _log_loaded(loaded)
     return loaded
 
 
-def _split_gguf(source: ModelSource) -> tuple[str, str | None]:
-    path = Path(source.model)
-    if source.gguf_file is None and path.suffix == ".gguf":
-        return str(path.parent), path.name
-    return source.model, source.gguf_file
+def _load_weights(source: ModelSource, dtype: str) -> tuple[PreTrainedModel, object, str]:
+    gguf = _resolve_gguf(source)
+    if gguf is None:
+        return (*_from_pretrained(source.model, None, dtype), source.model)
+    converted = converted_dir(resolve_cache_dir(source.cache_dir), gguf.key, dtype)
+    if is_converted(converted):
+        logger.info("loading %s from the converted cache %s", source.model_id, converted)
+        return (*_from_pretrained(str(converted), None, dtype), str(converted))
+    path = gguf.path()
+    logger.info("dequantizing %s to %s (first load; later loads use %s)", path, dtype, converted)
+    model, tokenizer = _from_pretrained(str(path.parent), path.name, dtype)
+    save_converted(model, tokenizer, converted, {"source": source.model, "gguf": str(path), "dtype": dtype})
+    return model, tokenizer, str(path)
+
+
+def _from_pretrained(directory: str, gguf_file: str | None, dtype: str) -> tuple[PreTrainedModel, object]:
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=parse_dtype(dtype), attn_implementation="eager", **kwargs
+    )
+    return model, tokenizer
+
+
+# --- which GGUF, under which cache key --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GgufSource:
+    """A GGUF file to dequantize, named by a cache key that changes whenever its bytes do."""
+
+    key: str
+    local_path: Path | None = None
+    registry_name: str | None = None
+    cache_dir: str | None = None
+
+    def path(self) -> Path:
+        """The file on disk; a registry model is pulled here (only when no converted copy exists)."""
+        if self.local_path is not None:
+            return self.local_path
+        return pull(self.registry_name, self.cache_dir)
+
+
+def _resolve_gguf(source: ModelSource) -> GgufSource | None:
+    if source.is_registered:
+        model = get_registered(source.model)
+        return GgufSource(f"{model.name}-{model.sha256[:16]}", registry_name=model.name, cache_dir=source.cache_dir)
+    path = _local_gguf_path(source)
+    return None if path is None else GgufSource(file_cache_key(path), local_path=path)
+
+
+def _local_gguf_path(source: ModelSource) -> Path | None:
+    path = Path(source.model).expanduser()
+    if source.gguf_file is None:
+        return path if path.suffix == ".gguf" else None
+    if path.is_dir():
+        return path / source.gguf_file
+    from huggingface_hub import hf_hub_download  # a hub repo: the hub's own cache holds the file
+
+    return Path(hf_hub_download(source.model, source.gguf_file))
+
+
+def file_cache_key(path: Path) -> str:
+    """``<stem>-<digest of name, size, mtime>``: a new key whenever the file is replaced."""
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise ValueError(f"GGUF file {path} not readable: {error}") from error
+    digest = hashlib.sha256(f"{path.name}\x00{stat.st_size}\x00{stat.st_mtime_ns}".encode()).hexdigest()
+    return f"{path.stem}-{digest[:16]}"
+
+
+# --- the converted cache ----------------------------------------------------------------------
+
+
+def converted_dir(cache_dir: Path, key: str, dtype: str) -> Path:
+    return cache_dir / "converted" / f"{key}-{dtype_name(dtype)}"
+
+
+def is_converted(directory: Path) -> bool:
+    return (directory / CONVERTED_MARKER).is_file()
+
+
+def save_converted(model: PreTrainedModel, tokenizer, directory: Path, info: dict) -> None:
+    """Save model + tokenizer into ``directory`` atomically (build a sibling, then rename).
+
+    A failure to save (a full disk, say) is logged and costs only the next start's speed."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not is_converted(directory):
+        shutil.rmtree(directory, ignore_errors=True)  # left by an interrupted run
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / CONVERTED_MARKER).write_text(json.dumps({**info, "saved_at": time.time()}, indent=1))
+        os.replace(staging, directory)
+        logger.info("saved the converted model to %s", directory)
+    except OSError as error:
+        if is_converted(directory):
+            logger.info("another process converted %s first", directory)
+        else:
+            logger.warning("could not save the converted model to %s: %s", directory, error)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def convert(source: ModelSource, dtype: str = "float32") -> Path:
+    """Build the converted cache of a GGUF source (no-op when present); return its directory."""
+    gguf = _resolve_gguf(source)
+    if gguf is None:
+        raise ValueError(f"{source.model!r} is not a registry name or GGUF file; nothing to convert")
+    directory = converted_dir(resolve_cache_dir(source.cache_dir), gguf.key, dtype)
+    if not is_converted(directory):
+        load_model(source, device="cpu", dtype=dtype)
+    return directory
+
+
+# --- reporting --------------------------------------------------------------------------------
+
+
+def memory_report(device: str) -> str:
+    """Resident memory now and at peak, plus CUDA memory when on a GPU."""
+    parts = [f"RSS {_rss_bytes() / 2**30:.2f} GiB (peak {_peak_rss_bytes() / 2**30:.2f} GiB)"]
+    if device.startswith("cuda") and torch.cuda.is_available():
+        parts.append(f"CUDA allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB "
+                     f"(peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB)")
+    return ", ".join(parts)
+
+
+def _rss_bytes() -> int:
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return _peak_rss_bytes()
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _log_loaded(loaded: LoadedModel) -> None:
+    logger.info(
+        "loaded %s (%.1f M parameters, %s on %s) from %s in %.1f s; %s",
+        loaded.model_id, loaded.num_parameters / 1e6, loaded.dtype, loaded.device, loaded.loaded_from,
+        loaded.load_seconds, memory_report(loaded.device),
+    )
+
+
+# --- tokenizer facts both services agree on ---------------------------------------------------
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

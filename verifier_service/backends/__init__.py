@@ -1,0 +1,34 @@
+"""Verifier backends: ``transformers`` (default, reference) and ``vllm`` (GPU production)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+
+if TYPE_CHECKING:
+    from verifier_service.settings import VerifierSettings
+
+__all__ = ["BlockToVerify", "BlockVerdict", "ModelInfo", "VerifierBackend", "create_backend"]
+
+
+async def create_backend(settings: "VerifierSettings") -> VerifierBackend:
+    """Load the target model with the configured backend (off the event loop)."""
+    from spade_models.loader import ModelSource
+
+    source = ModelSource(settings.model, settings.gguf_file)
+    if settings.backend == "vllm":
+        from verifier_service.backends.vllm_backend import create_vllm_backend
+
+        backend = await create_vllm_backend(
+            source, dtype=settings.dtype, device=settings.device, max_model_len=settings.max_context_length
+        )
+    else:
+        from spade_models.loader import load_model
+        from verifier_service.backends.transformers_backend import TransformersBackend
+
+        loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
+        backend = TransformersBackend(loaded, settings.max_context_length)
+    backend.served_model_name = settings.served_model_name
+    return backend

@@ -74,10 +74,16 @@ class VerifierBackend(abc.ABC):
     """One target model behind the verify contract."""
 
     name: str = "base"
+    served_model_name: str | None = None
+    """Overrides the model id clients see (``--served-model-name``)."""
 
     @property
     @abc.abstractmethod
     def info(self) -> ModelInfo: ...
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.info.model_id
 
     @abc.abstractmethod
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:

@@ -1,0 +1,121 @@
+"""One table from exception kind to (OpenAI error type, HTTP status), and the handlers that
+answer every failure in the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
+
+Honest codes: the client's mistakes are 4xx, our faults 500, an unreachable or failing cloud
+503, overload 429.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    """Base of the errors we raise on purpose; subclasses pick the row of the table."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(GatewayError):
+    """The request is malformed or asks for something we cannot do."""
+
+
+class ModelNotFoundError(GatewayError):
+    """The request names a model this service does not serve."""
+
+
+class SessionConflictError(GatewayError):
+    """A verify call's prefix does not match the session (the edge must resend its context)."""
+
+
+class OverloadedError(GatewayError):
+    """Too many requests or sessions at once."""
+
+
+class ServiceUnavailableError(GatewayError):
+    """The model is still loading, or the verifier cannot be reached."""
+
+
+# exception kind -> (OpenAI error type, HTTP status)
+ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
+    InvalidRequestError: ("invalid_request_error", 400),
+    RequestValidationError: ("invalid_request_error", 400),
+    ModelNotFoundError: ("not_found_error", 404),
+    SessionConflictError: ("conflict_error", 409),
+    OverloadedError: ("rate_limit_error", 429),
+    ServiceUnavailableError: ("service_unavailable_error", 503),
+    Exception: ("server_error", 500),
+}
+
+
+def classify(error: BaseException) -> tuple[str, int]:
+    for kind in type(error).__mro__:
+        if kind in ERROR_TABLE:
+            return ERROR_TABLE[kind]
+    return ERROR_TABLE[Exception]
+
+
+def error_body(error: BaseException) -> tuple[ErrorResponse, int]:
+    """The envelope and status for any exception (used for JSON responses and stream events)."""
+    error_type, status = classify(error)
+    if isinstance(error, GatewayError):
+        body = ErrorBody(message=error.message, type=error_type, param=error.param, code=error.code)
+    elif status == 500:
+        body = ErrorBody(message="internal error: " + type(error).__name__, type=error_type)
+    else:
+        body = ErrorBody(message=str(error), type=error_type)
+    return ErrorResponse(error=body), status
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    body, status = error_body(error)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_body(error: RequestValidationError) -> ErrorResponse:
+    first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = f"{param}: {first['msg']}" if param else str(first["msg"])
+    return ErrorResponse(error=ErrorBody(message=message, type="invalid_request_error", param=param))
+
+
+def _http_error_type(status: int) -> str:
+    return {404: "not_found_error", 405: "invalid_request_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every failure of ``app`` in the OpenAI envelope."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse(_validation_body(error).model_dump(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        body = ErrorBody(message=str(error.detail), type=_http_error_type(error.status_code))
+        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=error.status_code)
+
+    @app.exception_handler(GatewayError)
+    async def _on_gateway_error(_: Request, error: GatewayError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error", exc_info=error)
+        return error_response(error)

@@ -1,0 +1,214 @@
+"""Serving the OpenAI routes over any ``GenerationEngine``.
+
+``prepare_*`` turn a validated request into a ``GenerationRequest`` (prompt tokens, budget,
+sampling); ``TextGeneration`` runs the engine and turns its tokens into text deltas, applying
+EOS, stop strings and the token budget; ``*_response`` and ``*_events`` build the non-streamed
+body or the SSE events from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway import chunks
+from gateway.engine import GenerationEngine, GenerationRequest
+from gateway.errors import InvalidRequestError, ModelNotFoundError, error_body
+from gateway.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    SpadeStats,
+    Usage,
+)
+from gateway.sampling import SamplingConfig, random_seed
+from gateway.text import IncrementalDetokenizer, StopStringFilter
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    kind: str  # "chat" or "completion"
+    identity: chunks.StreamIdentity
+    generation: GenerationRequest
+    stop_strings: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def prepare_chat(engine: GenerationEngine, request: ChatCompletionRequest) -> PreparedRequest:
+    check_common(engine, request)
+    messages = [{"role": message.role, "content": message.text()} for message in request.messages]
+    try:
+        prompt_text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # jinja errors: a template rejecting these messages
+        raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error
+    prompt_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    return _prepare(engine, request, "chat", "chat.completion.chunk", prompt_ids, request.token_budget)
+
+
+def prepare_completion(engine: GenerationEngine, request: CompletionRequest) -> PreparedRequest:
+    check_common(engine, request)
+    if request.echo:
+        raise InvalidRequestError("echo is not supported", param="echo")
+    if isinstance(request.prompt, str):
+        prompt_ids = engine.tokenizer.encode(request.prompt)
+    else:
+        prompt_ids = list(request.prompt)
+        if any(not 0 <= token_id < engine.vocab_size for token_id in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {engine.vocab_size})", param="prompt")
+    return _prepare(engine, request, "completion", "text_completion", prompt_ids, request.token_budget)
+
+
+def check_common(engine: GenerationEngine, request: ChatCompletionRequest | CompletionRequest) -> None:
+    if request.model != engine.model_id:
+        raise ModelNotFoundError(
+            f"the model {request.model!r} does not exist here; this service serves {engine.model_id!r}",
+            param="model",
+            code="model_not_found",
+        )
+    if request.n != 1:
+        raise InvalidRequestError("only n=1 is supported", param="n")
+
+
+def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int], budget: int | None) -> PreparedRequest:
+    if not prompt_ids:
+        raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
+    room = engine.max_context_length - len(prompt_ids)
+    if room < 1 or (budget is not None and budget > room):
+        asked = len(prompt_ids) + (budget or 1)
+        raise InvalidRequestError(
+            f"this model's maximum context length is {engine.max_context_length} tokens; "
+            f"the request needs {asked} ({len(prompt_ids)} in the prompt)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    sampling = SamplingConfig(
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p,
+        seed=request.seed if request.seed is not None else random_seed(),
+    )
+    generation = GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        max_tokens=budget or room,
+        sampling=sampling,
+        eos_token_ids=engine.eos_token_ids,
+    )
+    identity = chunks.StreamIdentity(request_id, engine.model_id, int(time.time()), chunk_object)
+    return PreparedRequest(kind, identity, generation, request.stop_strings, request.stream, request.include_usage_chunk)
+
+
+@dataclass
+class TextGeneration:
+    """Runs one request through the engine and yields its text deltas."""
+
+    engine: GenerationEngine
+    prepared: PreparedRequest
+    stats: SpadeStats = field(default_factory=SpadeStats)
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+
+    @property
+    def usage(self) -> Usage:
+        prompt_tokens = len(self.prepared.generation.prompt_token_ids)
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt_tokens + self.completion_tokens,
+        )
+
+    async def deltas(self) -> AsyncIterator[str]:
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer)
+        stop_filter = StopStringFilter(self.prepared.stop_strings)
+        generation = self.prepared.generation
+        token_ids = self._token_ids()
+        async with contextlib.aclosing(token_ids):
+            async for token_id in token_ids:
+                self.completion_tokens += 1
+                if token_id in generation.eos_token_ids:
+                    self.finish_reason = "stop"
+                    break
+                delta = stop_filter.append(detokenizer.add(token_id))
+                if delta:
+                    yield delta
+                if stop_filter.is_stopped:
+                    self.finish_reason = "stop"
+                    return
+                if self.completion_tokens >= generation.max_tokens:
+                    break
+        tail = stop_filter.append(detokenizer.flush())
+        if stop_filter.is_stopped:
+            self.finish_reason = "stop"
+        else:
+            tail += stop_filter.flush()
+        if tail:
+            yield tail
+
+    async def _token_ids(self) -> AsyncIterator[int]:
+        batches = self.engine.generate(self.prepared.generation, self.stats)
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                for token_id in batch.token_ids:
+                    yield token_id
+
+
+async def full_text(generation: TextGeneration) -> str:
+    return "".join([delta async for delta in generation.deltas()])
+
+
+async def chat_response(generation: TextGeneration) -> ChatCompletionResponse:
+    text = await full_text(generation)
+    identity = generation.prepared.identity
+    return ChatCompletionResponse(
+        id=identity.id,
+        created=identity.created,
+        model=identity.model,
+        choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=generation.finish_reason)],
+        usage=generation.usage,
+        spade=generation.stats,
+    )
+
+
+async def completion_response(generation: TextGeneration) -> CompletionResponse:
+    text = await full_text(generation)
+    identity = generation.prepared.identity
+    return CompletionResponse(
+        id=identity.id,
+        created=identity.created,
+        model=identity.model,
+        choices=[CompletionChoice(text=text, finish_reason=generation.finish_reason)],
+        usage=generation.usage,
+        spade=generation.stats,
+    )
+
+
+async def stream_events(generation: TextGeneration) -> AsyncIterator[str]:
+    """The SSE ``data:`` payloads of a streamed request, [DONE] last; an error after the stream
+    started is sent as a ``{"error": ...}`` event before [DONE]."""
+    prepared = generation.prepared
+    identity = prepared.identity
+    is_chat = prepared.kind == "chat"
+    try:
+        if is_chat:
+            yield json.dumps(chunks.chat_role_chunk(identity))
+        async for delta in generation.deltas():
+            chunk = chunks.chat_content_chunk(identity, delta) if is_chat else chunks.completion_text_chunk(identity, delta)
+            yield json.dumps(chunk, ensure_ascii=False)
+        finish = chunks.chat_finish_chunk if is_chat else chunks.completion_finish_chunk
+        yield json.dumps(finish(identity, generation.finish_reason))
+        if prepared.include_usage:
+            yield json.dumps(chunks.usage_chunk(identity, generation.usage, generation.stats))
+    except Exception as error:  # the status line is already sent: report in-band
+        body, _ = error_body(error)
+        yield json.dumps(body.model_dump())
+    yield chunks.DONE

@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny models built once per test session, loaded through the same loader a
+user's model takes, and verifier servers on loopback ports."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from spade_models.loader import LoadedModel, ModelSource, load_model  # noqa: E402
+from spade_models.tiny import TinyPairSpec, build_tiny_pair  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target_dir: Path
+    draft_dir: Path
+
+    @property
+    def target_id(self) -> str:
+        return self.target_dir.name
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> TinyPair:
+    """Byte-level BPE vocabulary (384 tokens): any UTF-8 text encodes."""
+    return TinyPair(*build_tiny_pair(tmp_path_factory.mktemp("tiny-bpe")))
+
+
+@pytest.fixture(scope="session")
+def letters_pair(tmp_path_factory) -> TinyPair:
+    """A 12-token vocabulary, for distribution tests that enumerate every outcome."""
+    return TinyPair(*build_tiny_pair(tmp_path_factory.mktemp("tiny-letters"), TinyPairSpec(vocab="letters", seed=3)))
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_pair(tmp_path_factory) -> TinyPair:
+    """Same architecture, different token table: a verifier the edge must refuse."""
+    return TinyPair(*build_tiny_pair(tmp_path_factory.mktemp("tiny-other"), TinyPairSpec(bpe_vocab_size=320, seed=5)))
+
+
+@pytest.fixture(scope="session")
+def target_model(tiny_pair) -> LoadedModel:
+    return load_model(ModelSource(str(tiny_pair.target_dir)))
+
+
+@pytest.fixture(scope="session")
+def draft_model(tiny_pair) -> LoadedModel:
+    return load_model(ModelSource(str(tiny_pair.draft_dir)))

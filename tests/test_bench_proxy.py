@@ -1,0 +1,155 @@
+"""The benchmark's delay proxy: delays each direction by half the RTT, counts bytes, caps bandwidth.
+
+Timing assertions here are lower bounds only (a delay proxy must delay at least this much);
+nothing asserts that anything is fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from spade_bench.proxy import DelayProxy, LinkConfig, LinkCounters, ProxyThread, parse_host_port
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+@pytest.fixture
+async def echo_server():
+    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+async def _proxy(echo_port: int, link: LinkConfig) -> DelayProxy:
+    proxy = DelayProxy("127.0.0.1", echo_port, link)
+    await proxy.start()
+    return proxy
+
+
+async def _round_trip(reader, writer, payload: bytes) -> bytes:
+    writer.write(payload)
+    await writer.drain()
+    return await reader.readexactly(len(payload))
+
+
+async def test_relays_bytes_unchanged_and_counts_them_each_way(echo_server):
+    proxy = await _proxy(echo_server, LinkConfig())
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    payloads = [b"hello", b"x" * 100_000, bytes(range(256))]
+    for payload in payloads:
+        assert await _round_trip(reader, writer, payload) == payload
+    writer.close()
+    total = sum(len(payload) for payload in payloads)
+    assert proxy.counters() == LinkCounters(bytes_up=total, bytes_down=total, connections=1)
+    await proxy.close()
+
+
+async def test_round_trip_takes_at_least_the_rtt_plus_handshake(echo_server):
+    proxy = await _proxy(echo_server, LinkConfig(rtt_ms=80))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    started = time.perf_counter()
+    await _round_trip(reader, writer, b"ping")
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    await _round_trip(reader, writer, b"ping")
+    second = time.perf_counter() - started
+    writer.close()
+    await proxy.close()
+    assert first >= 0.160  # handshake RTT + request RTT on a new connection
+    assert second >= 0.080  # one RTT on an open connection
+
+
+async def test_jitter_never_reorders_chunks(echo_server):
+    proxy = await _proxy(echo_server, LinkConfig(rtt_ms=10, jitter_ms=10, handshake=False))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    sent = b""
+    for index in range(50):
+        chunk = f"[{index}]".encode()
+        writer.write(chunk)
+        await writer.drain()
+        sent += chunk
+        await asyncio.sleep(0.001)
+    assert await reader.readexactly(len(sent)) == sent
+    writer.close()
+    await proxy.close()
+
+
+async def test_bandwidth_cap_serialises_bytes(echo_server):
+    link = LinkConfig(bandwidth_mbps=4.0, handshake=False)  # 200 kB take 0.4 s each way
+    proxy = await _proxy(echo_server, link)
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    started = time.perf_counter()
+    await _round_trip(reader, writer, b"z" * 200_000)
+    elapsed = time.perf_counter() - started
+    writer.close()
+    await proxy.close()
+    assert elapsed >= 2 * link.transmit_s(200_000) * 0.99
+    assert link.transmit_s(200_000) == pytest.approx(0.4)
+
+
+async def test_link_change_applies_to_open_connections(echo_server):
+    proxy = await _proxy(echo_server, LinkConfig())
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    await _round_trip(reader, writer, b"a")
+    proxy.link = LinkConfig(rtt_ms=100)
+    started = time.perf_counter()
+    await _round_trip(reader, writer, b"b")
+    assert time.perf_counter() - started >= 0.100
+    writer.close()
+    await proxy.close()
+
+
+async def test_unreachable_upstream_closes_the_client():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    proxy = DelayProxy("127.0.0.1", dead_port, LinkConfig())
+    await proxy.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(b"anyone?")
+    assert await reader.read() == b""
+    writer.close()
+    await proxy.close()
+
+
+def test_proxy_thread_serves_synchronous_callers():
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        with ProxyThread("127.0.0.1", upstream.getsockname()[1], LinkConfig(rtt_ms=20)) as proxy:
+            with socket.create_connection(("127.0.0.1", proxy.port)) as client:
+                connection, _ = upstream.accept()
+                with connection:
+                    client.sendall(b"up-bytes")
+                    assert _recv_exactly(connection, 8) == b"up-bytes"
+                    connection.sendall(b"down")
+                    assert _recv_exactly(client, 4) == b"down"
+            assert proxy.counters().bytes_up == 8
+            assert proxy.counters().bytes_down == 4
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        data += sock.recv(size - len(data))
+    return data
+
+
+@pytest.mark.parametrize("kwargs", [{"rtt_ms": -1}, {"jitter_ms": -0.5}, {"bandwidth_mbps": 0}])
+def test_link_config_rejects_impossible_values(kwargs):
+    with pytest.raises(ValueError):
+        LinkConfig(**kwargs)
+
+
+def test_parse_host_port():
+    assert parse_host_port("127.0.0.1:8001") == ("127.0.0.1", 8001)
+    with pytest.raises(ValueError):
+        parse_host_port("8001")

@@ -1,0 +1,102 @@
+"""The verifier's FastAPI app: verify API, sessions, health, and the shared OpenAI routes
+(target-only decoding). Route handlers parse, call the service, return."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from gateway.errors import ServiceUnavailableError, install_error_handlers
+from gateway.routes import build_openai_router
+from verifier_service.backends import create_backend
+from verifier_service.backends.base import VerifierBackend
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse
+from verifier_service.service import VerifierService
+from verifier_service.sessions import SessionRegistry
+from verifier_service.settings import VerifierSettings
+from verifier_service.target_engine import TargetOnlyEngine
+
+logger = logging.getLogger(__name__)
+
+BackendFactory = Callable[[VerifierSettings], Awaitable[VerifierBackend]]
+
+
+def create_app(settings: VerifierSettings, backend_factory: BackendFactory = create_backend) -> FastAPI:
+    """The app loads its backend in the background at start-up; /health says "loading" (503)
+    until then, and every model route answers 503."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loading = asyncio.create_task(_load(app, settings, backend_factory))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            service: VerifierService | None = app.state.service
+            if service is not None:
+                await service.backend.aclose()
+
+    app = FastAPI(title="SPADE verifier", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = VerifierMetrics()
+    app.state.service = None
+    app.state.engine = None
+    install_error_handlers(app)
+    app.include_router(build_openai_router())
+    _add_verifier_routes(app)
+    return app
+
+
+async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: BackendFactory) -> None:
+    try:
+        backend = await backend_factory(settings)
+    except Exception:
+        logger.exception("loading the target model failed")
+        raise
+    sessions = SessionRegistry(settings.session_limits())
+    app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics)
+    app.state.engine = TargetOnlyEngine(backend, app.state.metrics)
+    logger.info("verifier ready: %s (%s backend)", backend.model_id, backend.name)
+
+
+def current_service(request: Request) -> VerifierService:
+    service = request.app.state.service
+    if service is None:
+        raise ServiceUnavailableError("the target model is still loading; retry when /health reports ok")
+    return service
+
+
+def _add_verifier_routes(app: FastAPI) -> None:
+    @app.post("/v1/verify")
+    async def verify(body: VerifyRequest, request: Request) -> VerifyResponse:
+        return await current_service(request).verify(body)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str, request: Request) -> SessionDeleted:
+        return current_service(request).end_session(session_id)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        service: VerifierService | None = request.app.state.service
+        settings: VerifierSettings = request.app.state.settings
+        if service is None:
+            body = VerifierHealth(
+                status="loading", model=settings.served_model_name or settings.model, vocab_size=0,
+                tokenizer_fingerprint="", max_context_length=0, max_draft_tokens=settings.max_draft_tokens,
+                max_draft_support=settings.max_draft_support, eos_token_ids=[], backend=settings.backend,
+            )
+            return JSONResponse(body.model_dump(), status_code=503)
+        info = service.backend.info
+        body = VerifierHealth(
+            status="ok", model=service.backend.model_id, vocab_size=info.vocab_size,
+            tokenizer_fingerprint=info.tokenizer_fingerprint, max_context_length=info.max_context_length,
+            max_draft_tokens=service.limits.max_draft_tokens, max_draft_support=service.limits.max_draft_support,
+            eos_token_ids=sorted(info.eos_token_ids), backend=service.backend.name,
+        )
+        return JSONResponse(body.model_dump())

@@ -1,0 +1,140 @@
+"""The reference verifier backend: any causal LM transformers loads, on CPU, CUDA or MPS.
+
+Per session it keeps the target's KV cache over the committed context (and accepted drafts),
+so each verify call runs ONE forward over only the tokens the cache lacks: normally the
+previous call's next token plus the drafted block. Rejected drafts are cropped off the cache.
+
+Forwards run on a single worker thread, off the event loop, in arrival order (first come,
+first served across sessions). Cache maintenance also runs on that thread, so a session is
+never released while its forward is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from gateway.sampling import position_uniforms, processed_probs
+from spade_models.loader import LoadedModel, eos_token_ids, tokenizer_fingerprint
+from verifier_service.acceptance import accept_block
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+
+
+@dataclass
+class SessionCache:
+    """The KV cache of one session and the tokens it covers."""
+
+    cache: DynamicCache
+    token_ids: list[int] = field(default_factory=list)
+
+    def crop_to(self, length: int) -> None:
+        if length < len(self.token_ids):
+            # A negative argument removes that many tokens in every transformers release
+            # (older ones take a length to keep, 5.x the number to remove).
+            self.cache.crop(-(self.cache.get_seq_length() - length))
+            self.token_ids = self.token_ids[:length]
+
+
+def common_prefix_length(first: list[int], second: list[int]) -> int:
+    length = min(len(first), len(second))
+    for index in range(length):
+        if first[index] != second[index]:
+            return index
+    return length
+
+
+class TransformersBackend(VerifierBackend):
+    name = "transformers"
+
+    def __init__(self, loaded: LoadedModel, max_context_length: int | None = None) -> None:
+        self._model = loaded.model
+        self._device = torch.device(loaded.device)
+        config = loaded.model.config
+        self._info = ModelInfo(
+            model_id=loaded.model_id,
+            vocab_size=loaded.model.get_output_embeddings().weight.shape[0],
+            max_context_length=max_context_length or getattr(config, "max_position_embeddings", 4096),
+            eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+            tokenizer=loaded.tokenizer,
+            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        )
+        self._cache_argument = cache_argument_name(loaded.model)
+        self._caches: dict[str, SessionCache] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def num_cached_sessions(self) -> int:
+        return len(self._caches)
+
+    async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
+        queued_at = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._verify, block, queued_at)
+
+    def release_session(self, session_id: str) -> None:
+        self._executor.submit(self._caches.pop, session_id, None)
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._caches.clear()
+
+    def _verify(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
+        started = time.perf_counter()
+        entry = self._caches.pop(block.session_id, None) or SessionCache(DynamicCache(config=self._model.config))
+        num_input_tokens, logits = self._forward(entry, block)
+        target_probs = processed_probs(logits, block.sampling)  # [d + 1, vocab]
+        uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
+        draft_ids = torch.tensor(block.draft_token_ids, dtype=torch.long)
+        draft_probs = None if block.draft_probs is None else block.draft_probs.to(self._device)
+        acceptance = accept_block(draft_ids, draft_probs, target_probs, uniforms)
+        # Keep the cache over the context and the accepted drafts; the rejected ones go.
+        entry.token_ids = block.context_token_ids + block.draft_token_ids
+        entry.crop_to(len(block.context_token_ids) + acceptance.num_accepted)
+        self._caches[block.session_id] = entry
+        emitted = block.draft_token_ids[: acceptance.num_accepted] + [acceptance.next_token_id]
+        return BlockVerdict(
+            num_accepted=acceptance.num_accepted,
+            next_token_id=acceptance.next_token_id,
+            is_bonus=acceptance.is_bonus,
+            logprobs=emitted_logprobs(logits, emitted),
+            num_target_tokens=num_input_tokens,
+            queue_s=started - queued_at,
+            forward_s=time.perf_counter() - started,
+        )
+
+    def _forward(self, entry: SessionCache, block: BlockToVerify) -> tuple[int, torch.Tensor]:
+        """One forward over what the cache lacks; returns (tokens fed, logits [d + 1, vocab])."""
+        context = block.context_token_ids
+        # The last context token must be fed: its logits score the first drafted token.
+        entry.crop_to(min(common_prefix_length(entry.token_ids, context), len(context) - 1))
+        input_ids = context[len(entry.token_ids):] + block.draft_token_ids
+        with torch.inference_mode():
+            output = self._model(
+                input_ids=torch.tensor([input_ids], device=self._device),
+                use_cache=True,
+                logits_to_keep=block.num_drafted + 1,
+                **{self._cache_argument: entry.cache},
+            )
+        return len(input_ids), output.logits[0].float()
+
+
+def cache_argument_name(model) -> str:
+    """transformers 5.x names the KV cache argument ``cache``, earlier releases ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def emitted_logprobs(logits: torch.Tensor, emitted: list[int]) -> list[float]:
+    """Raw (temperature 1, untruncated) log-probability of each emitted token at its row."""
+    rows = torch.arange(len(emitted), device=logits.device)
+    token_ids = torch.tensor(emitted, device=logits.device)
+    return torch.log_softmax(logits[: len(emitted)], dim=-1)[rows, token_ids].tolist()

@@ -1,0 +1,172 @@
+"""The verify service: validates a call, checks it against the session, asks the backend for
+the verdict and commits it. Bad input is refused before any state changes, and a failed call
+leaves the session as it was."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gateway.errors import InvalidRequestError, SessionConflictError
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
+from verifier_service.metrics import VerifierMetrics
+from verifier_service.protocol import (
+    SESSION_RESYNC_CODE,
+    SessionDeleted,
+    SparseDistribution,
+    VerifyRequest,
+    VerifyResponse,
+    VerifyTimings,
+)
+from verifier_service.sessions import Session, SessionRegistry
+
+PROB_SUM_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class VerifyLimits:
+    max_draft_tokens: int = 64
+    """Longest drafted block accepted in one call."""
+    max_draft_support: int = 256
+    """Most tokens in one drafted position's sparse distribution."""
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1 or self.max_draft_support < 1:
+            raise ValueError("verify limits must be positive")
+
+
+class VerifierService:
+    def __init__(self, backend: VerifierBackend, sessions: SessionRegistry, limits: VerifyLimits, metrics: VerifierMetrics) -> None:
+        self.backend = backend
+        self.sessions = sessions
+        self.limits = limits
+        self.metrics = metrics
+
+    async def verify(self, request: VerifyRequest) -> VerifyResponse:
+        received_at = time.perf_counter()
+        draft_probs = self.validate(request)
+        session = self._session_for(request)
+        async with session.lock:
+            if session.last_fingerprint == request.fingerprint() and session.last_response is not None:
+                self.metrics.replayed_calls.inc()
+                return session.last_response.model_copy(update={"replayed": True})
+            self._check_prefix(session, request)
+            context = session.token_ids[: request.prefix_length] + request.new_tokens
+            block = BlockToVerify(request.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config())
+            verdict = await self.backend.verify_block(block)
+            response = self._response(request, len(context), verdict, received_at)
+            emitted = request.draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
+            session.commit(context + emitted, request.fingerprint(), response)
+        self.metrics.observe_verify(len(request.draft_tokens), verdict)
+        self._evict(keep=request.session_id)
+        return response
+
+    def end_session(self, session_id: str) -> SessionDeleted:
+        deleted = self.sessions.remove(session_id)
+        self.backend.release_session(session_id)
+        self.metrics.sessions.set(len(self.sessions))
+        return SessionDeleted(session_id=session_id, deleted=deleted)
+
+    def validate(self, request: VerifyRequest) -> torch.Tensor | None:
+        """Check everything that does not depend on the session; returns the dense draft_probs."""
+        num_drafted = len(request.draft_tokens)
+        if num_drafted == 0:
+            raise InvalidRequestError("draft_tokens must hold at least one token", param="draft_tokens")
+        if num_drafted > self.limits.max_draft_tokens:
+            raise InvalidRequestError(
+                f"at most {self.limits.max_draft_tokens} drafted tokens per call, got {num_drafted}", param="draft_tokens"
+            )
+        self._check_token_ids(request.new_tokens, "new_tokens")
+        self._check_token_ids(request.draft_tokens, "draft_tokens")
+        if request.prefix_length == 0 and not request.new_tokens:
+            raise InvalidRequestError("a call with prefix_length 0 must send the context in new_tokens", param="new_tokens")
+        self.validate_length(request.prefix_length + len(request.new_tokens), num_drafted)
+        if request.draft_probs is None:
+            return None
+        if len(request.draft_probs) != num_drafted:
+            raise InvalidRequestError(
+                f"draft_probs has {len(request.draft_probs)} rows for {num_drafted} drafted tokens", param="draft_probs"
+            )
+        return self._dense_draft_probs(request.draft_probs, request.draft_tokens)
+
+    def validate_length(self, context_length: int, num_drafted: int) -> None:
+        needed = context_length + num_drafted + 1
+        if needed > self.backend.info.max_context_length:
+            raise InvalidRequestError(
+                f"context ({context_length}) + block ({num_drafted}) + 1 exceeds the target's "
+                f"maximum context length {self.backend.info.max_context_length}",
+                param="draft_tokens",
+                code="context_length_exceeded",
+            )
+
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab_size = self.backend.info.vocab_size
+        bad = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
+
+    def _dense_draft_probs(self, rows: list[SparseDistribution], draft_tokens: list[int]) -> torch.Tensor:
+        dense = torch.zeros(len(rows), self.backend.info.vocab_size, dtype=torch.float32)
+        for index, (row, drafted) in enumerate(zip(rows, draft_tokens)):
+            param = f"draft_probs.{index}"
+            if len(row.token_ids) > self.limits.max_draft_support:
+                raise InvalidRequestError(f"at most {self.limits.max_draft_support} tokens per distribution", param=param)
+            self._check_token_ids(row.token_ids, param)
+            if any(not math.isfinite(prob) or prob < 0 for prob in row.probs):
+                raise InvalidRequestError("probabilities must be finite and non-negative", param=param)
+            total = math.fsum(row.probs)
+            if abs(total - 1.0) > PROB_SUM_TOLERANCE:
+                raise InvalidRequestError(f"probabilities sum to {total:.6f}, not 1", param=param)
+            support = dict(zip(row.token_ids, row.probs))
+            if support.get(drafted, 0.0) <= 0:
+                raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
+            dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / total
+        return dense
+
+    def _session_for(self, request: VerifyRequest) -> Session:
+        if request.prefix_length == 0:
+            return self.sessions.get_or_create(request.session_id)
+        session = self.sessions.get(request.session_id)
+        if session is None:
+            self.metrics.resyncs.inc()
+            raise SessionConflictError(
+                f"unknown session {request.session_id!r}: resend the full context with prefix_length 0",
+                param="session_id",
+                code=SESSION_RESYNC_CODE,
+            )
+        return session
+
+    def _check_prefix(self, session: Session, request: VerifyRequest) -> None:
+        if request.prefix_length == 0 or session.matches(request.prefix_length, request.prefix_digest):
+            return
+        self.metrics.resyncs.inc()
+        raise SessionConflictError(
+            f"session {request.session_id!r} holds {len(session.token_ids)} committed tokens that do not match "
+            f"prefix_length {request.prefix_length} and its digest: resend the full context with prefix_length 0",
+            param="prefix_digest",
+            code=SESSION_RESYNC_CODE,
+        )
+
+    def _response(self, request: VerifyRequest, context_length: int, verdict: BlockVerdict, received_at: float) -> VerifyResponse:
+        return VerifyResponse(
+            session_id=request.session_id,
+            num_accepted=verdict.num_accepted,
+            next_token=verdict.next_token_id,
+            next_token_kind="bonus" if verdict.is_bonus else "correction",
+            logprobs=verdict.logprobs,
+            context_length=context_length + verdict.num_accepted + 1,
+            num_target_tokens=verdict.num_target_tokens,
+            timings=VerifyTimings(
+                queue_ms=verdict.queue_s * 1e3,
+                forward_ms=verdict.forward_s * 1e3,
+                total_ms=(time.perf_counter() - received_at) * 1e3,
+            ),
+        )
+
+    def _evict(self, keep: str) -> None:
+        for session_id in self.sessions.evict(keep=keep):
+            self.backend.release_session(session_id)
+        self.metrics.sessions.set(len(self.sessions))

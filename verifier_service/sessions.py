@@ -1,0 +1,101 @@
+"""The verifier's session registry: what each edge session has committed, and its last answer.
+
+Pure bookkeeping (no tensors): the committed token list and its digest, the fingerprint and
+response of the last call (to answer a retry from memory), a lock that serialises calls of one
+session, and least-recently-used eviction bounded by session count, total tokens and idle time.
+The backend's caches follow it: whoever evicts a session tells the backend to release it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from verifier_service.protocol import VerifyResponse, context_digest
+
+
+@dataclass
+class Session:
+    session_id: str
+    token_ids: list[int] = field(default_factory=list)
+    digest: str = field(default_factory=lambda: context_digest([]))
+    last_fingerprint: str | None = None
+    last_response: VerifyResponse | None = None
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def matches(self, prefix_length: int, prefix_digest: str) -> bool:
+        return len(self.token_ids) == prefix_length and self.digest == prefix_digest
+
+    def commit(self, token_ids: list[int], fingerprint: str, response: VerifyResponse) -> None:
+        self.token_ids = token_ids
+        self.digest = context_digest(token_ids)
+        self.last_fingerprint = fingerprint
+        self.last_response = response
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_sessions: int = 256
+    """Sessions kept at once; the least recently used beyond this is evicted."""
+    max_total_tokens: int = 2_000_000
+    """Committed tokens over all sessions (bounds the backend's KV caches)."""
+    ttl_s: float = 600.0
+    """A session idle this long is evicted."""
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.max_total_tokens < 1 or self.ttl_s <= 0:
+            raise ValueError("session limits must be positive")
+
+
+class SessionRegistry:
+    def __init__(self, limits: SessionLimits) -> None:
+        self._limits = limits
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(session.token_ids) for session in self._sessions.values())
+
+    def get(self, session_id: str) -> Session | None:
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.last_used = time.monotonic()
+            self._sessions.move_to_end(session_id)
+        return session
+
+    def get_or_create(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = Session(session_id)
+        return session
+
+    def remove(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Drop expired sessions, then the least recently used beyond the limits (never
+        ``keep``, the session being served). Returns the evicted ids."""
+        evicted = self._evict_expired(keep)
+        total_tokens = self.num_tokens
+        for session_id in list(self._sessions):
+            over = len(self._sessions) > self._limits.max_sessions or total_tokens > self._limits.max_total_tokens
+            if not over:
+                break
+            if session_id == keep:
+                continue
+            total_tokens -= len(self._sessions.pop(session_id).token_ids)
+            evicted.append(session_id)
+        return evicted
+
+    def _evict_expired(self, keep: str | None) -> list[str]:
+        deadline = time.monotonic() - self._limits.ttl_s
+        expired = [sid for sid, s in self._sessions.items() if s.last_used < deadline and sid != keep]
+        for session_id in expired:
+            del self._sessions[session_id]
+        return expired

@@ -1,0 +1,60 @@
+"""Target-only decoding behind the verifier's OpenAI routes: the cloud-only baseline users
+compare against, and the path an edge can fall back to.
+
+Each step is a verify call with an empty block, so it runs the very code that verifies drafts:
+same cache, same sampling transform, same seeded draws. At temperature 0 the speculative
+output must therefore equal this output token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from gateway.engine import GeneratedTokens, GenerationRequest
+from gateway.protocol import SpadeStats
+from verifier_service.backends.base import BlockToVerify, VerifierBackend
+from verifier_service.metrics import VerifierMetrics
+
+
+class TargetOnlyEngine:
+    def __init__(self, backend: VerifierBackend, metrics: VerifierMetrics) -> None:
+        self._backend = backend
+        self._metrics = metrics
+
+    @property
+    def model_id(self) -> str:
+        return self._backend.model_id
+
+    @property
+    def tokenizer(self):
+        return self._backend.info.tokenizer
+
+    @property
+    def max_context_length(self) -> int:
+        return self._backend.info.max_context_length
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._backend.info.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self._backend.info.vocab_size
+
+    async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
+        session_id = f"local-{request.request_id}"
+        context = list(request.prompt_token_ids)
+        try:
+            for _ in range(request.max_tokens):
+                block = BlockToVerify(session_id, context, [], None, request.sampling)
+                verdict = await self._backend.verify_block(block)
+                self._metrics.observe_forward(verdict)
+                stats.verify_calls += 1
+                stats.target_tokens += verdict.num_target_tokens
+                stats.verifier_forward_ms += verdict.forward_s * 1e3
+                context.append(verdict.next_token_id)
+                yield GeneratedTokens([verdict.next_token_id], verdict.logprobs)
+                if verdict.next_token_id in request.eos_token_ids:
+                    return
+        finally:
+            self._backend.release_session(session_id)
