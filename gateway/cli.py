@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 
@@ -23,7 +24,11 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         )
 
 
-def settings_from_arguments(arguments: argparse.Namespace, settings_class: type[BaseSettings]) -> BaseSettings:
+def settings_from_arguments(parser: argparse.ArgumentParser, arguments: argparse.Namespace, settings_class: type[BaseSettings]) -> BaseSettings:
     """Flags given on the command line override the environment, which overrides defaults;
-    pydantic validates and converts all of them."""
-    return settings_class(**vars(arguments))
+    pydantic validates and converts all of them (a bad value exits with the parser's usage)."""
+    try:
+        return settings_class(**vars(arguments))
+    except ValidationError as error:
+        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in error.errors())
+        parser.error(problems)

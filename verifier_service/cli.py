@@ -17,7 +17,7 @@ from verifier_service.settings import VerifierSettings
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="spade-verifier", description=__doc__)
     add_settings_arguments(parser, VerifierSettings)
-    settings = settings_from_arguments(parser.parse_args(argv), VerifierSettings)
+    settings = settings_from_arguments(parser, parser.parse_args(argv), VerifierSettings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.threads:
         torch.set_num_threads(settings.threads)

@@ -12,41 +12,16 @@ never released while its forward is in flight.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from gateway.sampling import position_uniforms, processed_probs
+from spade_models.kv_cache import TokenCache, cache_argument_name
 from spade_models.loader import LoadedModel, eos_token_ids, tokenizer_fingerprint
 from verifier_service.acceptance import accept_block
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
-
-
-@dataclass
-class SessionCache:
-    """The KV cache of one session and the tokens it covers."""
-
-    cache: DynamicCache
-    token_ids: list[int] = field(default_factory=list)
-
-    def crop_to(self, length: int) -> None:
-        if length < len(self.token_ids):
-            # A negative argument removes that many tokens in every transformers release
-            # (older ones take a length to keep, 5.x the number to remove).
-            self.cache.crop(-(self.cache.get_seq_length() - length))
-            self.token_ids = self.token_ids[:length]
-
-
-def common_prefix_length(first: list[int], second: list[int]) -> int:
-    length = min(len(first), len(second))
-    for index in range(length):
-        if first[index] != second[index]:
-            return index
-    return length
 
 
 class TransformersBackend(VerifierBackend):
@@ -65,7 +40,7 @@ class TransformersBackend(VerifierBackend):
             tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
         )
         self._cache_argument = cache_argument_name(loaded.model)
-        self._caches: dict[str, SessionCache] = {}
+        self._caches: dict[str, TokenCache] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
 
     @property
@@ -90,7 +65,7 @@ class TransformersBackend(VerifierBackend):
 
     def _verify(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         started = time.perf_counter()
-        entry = self._caches.pop(block.session_id, None) or SessionCache(DynamicCache(config=self._model.config))
+        entry = self._caches.pop(block.session_id, None) or TokenCache.empty(self._model)
         num_input_tokens, logits = self._forward(entry, block)
         target_probs = processed_probs(logits, block.sampling)  # [d + 1, vocab]
         uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
@@ -112,12 +87,10 @@ class TransformersBackend(VerifierBackend):
             forward_s=time.perf_counter() - started,
         )
 
-    def _forward(self, entry: SessionCache, block: BlockToVerify) -> tuple[int, torch.Tensor]:
-        """One forward over what the cache lacks; returns (tokens fed, logits [d + 1, vocab])."""
-        context = block.context_token_ids
-        # The last context token must be fed: its logits score the first drafted token.
-        entry.crop_to(min(common_prefix_length(entry.token_ids, context), len(context) - 1))
-        input_ids = context[len(entry.token_ids):] + block.draft_token_ids
+    def _forward(self, entry: TokenCache, block: BlockToVerify) -> tuple[int, torch.Tensor]:
+        """One forward over what the cache lacks; returns (tokens fed, logits [d + 1, vocab]).
+        The last context token is always fed: its logits score the first drafted token."""
+        input_ids = entry.reuse_for(block.context_token_ids) + block.draft_token_ids
         with torch.inference_mode():
             output = self._model(
                 input_ids=torch.tensor([input_ids], device=self._device),
@@ -126,11 +99,6 @@ class TransformersBackend(VerifierBackend):
                 **{self._cache_argument: entry.cache},
             )
         return len(input_ids), output.logits[0].float()
-
-
-def cache_argument_name(model) -> str:
-    """transformers 5.x names the KV cache argument ``cache``, earlier releases ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def emitted_logprobs(logits: torch.Tensor, emitted: list[int]) -> list[float]:

@@ -1,0 +1,121 @@
+"""Drafters: what proposes the block the verifier checks.
+
+A drafter is two methods (as transformers' CandidateGenerator): ``propose`` a block for the
+committed context, then ``observe`` the verdict. The model drafter runs the small model with
+its own KV cache kept across blocks: the cache is cropped to the longest prefix it shares with
+the committed context, so a block costs one forward per drafted token and the verdict's next
+token is fed with the first of them.
+
+At temperature 0 the drafter is greedy and sends no distributions (the verifier treats each
+drafted token as one-hot). Otherwise each token is sampled from the draft model's distribution
+after the request's transform, truncated to the ``max_support`` most likely tokens and
+renormalised; that truncated distribution is exactly what the token was sampled from, and it is
+sent along, which keeps verification exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from gateway.sampling import SamplingConfig, position_uniforms, processed_probs, sample_from, truncate_to_top_n
+from spade_models.loader import LoadedModel
+from spade_models.kv_cache import TokenCache, cache_argument_name
+from verifier_service.protocol import SparseDistribution
+
+DRAFT_STREAM = "draft"
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    token_ids: list[int]
+    probs: list[SparseDistribution] | None
+    """Per drafted token, the distribution it was sampled from; None for a greedy draft."""
+
+
+class DraftSession(Protocol):
+    def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock: ...
+
+    def observe(self, num_accepted: int, next_token_id: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Drafter(Protocol):
+    def start_session(self) -> DraftSession: ...
+
+
+@dataclass
+class ModelDrafter:
+    """Drafts with a small causal LM (transformers)."""
+
+    loaded: LoadedModel
+    max_support: int = 32
+    vocab_limit: int | None = None
+    """Token ids at or above this are never drafted (the verifier's vocabulary size)."""
+    cache_argument: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cache_argument = cache_argument_name(self.loaded.model)
+
+    def start_session(self) -> "ModelDraftSession":
+        return ModelDraftSession(self)
+
+
+@dataclass
+class ModelDraftSession:
+    drafter: ModelDrafter
+    entry: TokenCache | None = None
+    _last_context_length: int = field(default=0, repr=False)
+    _last_block: list[int] = field(default_factory=list, repr=False)
+
+    def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
+        """``num_tokens`` drafted tokens following ``context`` (one forward per token)."""
+        if self.entry is None:
+            self.entry = TokenCache.empty(self.drafter.loaded.model)
+        pending = self.entry.reuse_for(context)
+        uniforms = position_uniforms(sampling.seed, len(context), num_tokens, stream=DRAFT_STREAM)
+        token_ids: list[int] = []
+        distributions: list[SparseDistribution] = []
+        for index in range(num_tokens):
+            logits = self._forward(pending)
+            token_id, distribution = self._choose(logits, sampling, float(uniforms[index, 0]))
+            token_ids.append(token_id)
+            if distribution is not None:
+                distributions.append(distribution)
+            pending = [token_id]
+        self._last_context_length, self._last_block = len(context), token_ids
+        return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
+
+    def observe(self, num_accepted: int, next_token_id: int) -> None:
+        """Drop the cache entries of rejected drafts now rather than at the next proposal."""
+        if self.entry is not None:
+            self.entry.crop_to(self._last_context_length + num_accepted)
+
+    def close(self) -> None:
+        self.entry = None
+
+    def _forward(self, input_ids: list[int]) -> torch.Tensor:
+        model = self.drafter.loaded.model
+        with torch.inference_mode():
+            output = model(
+                input_ids=torch.tensor([input_ids], device=model.device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.drafter.cache_argument: self.entry.cache},
+            )
+        self.entry.token_ids = self.entry.token_ids + input_ids
+        logits = output.logits[0, -1].float()
+        if self.drafter.vocab_limit is not None and self.drafter.vocab_limit < logits.shape[-1]:
+            logits[self.drafter.vocab_limit:] = float("-inf")
+        return logits
+
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, uniform: float) -> tuple[int, SparseDistribution | None]:
+        if sampling.is_greedy:
+            return int(logits.argmax()), None
+        support_ids, support_probs = truncate_to_top_n(processed_probs(logits, sampling), self.drafter.max_support)
+        index = sample_from(support_probs.cpu(), uniform)
+        distribution = SparseDistribution(token_ids=support_ids.tolist(), probs=support_probs.tolist())
+        return int(support_ids[index]), distribution

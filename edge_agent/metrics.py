@@ -1,0 +1,28 @@
+"""Prometheus metrics of the edge agent, in a registry of its own (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EdgeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory
+        r = self.registry
+        self.requests = Counter("spade_edge_requests", "Generation requests started", registry=r)
+        self.active_requests = Gauge("spade_edge_active_requests", "Generation requests in progress", registry=r)
+        self.generated_tokens = Counter("spade_edge_generated_tokens", "Tokens streamed to clients", registry=r)
+        self.verify_calls = Counter("spade_edge_verify_calls", "Verify calls made", registry=r)
+        self.resyncs = Counter("spade_edge_resyncs", "Verify calls repeated with the full context after a 409", registry=r)
+        self.verify_failures = Counter("spade_edge_verify_failures", "Generations ended by an unreachable or failing verifier", registry=r)
+        self.drafted_tokens = Counter("spade_edge_drafted_tokens", "Tokens drafted", registry=r)
+        self.accepted_tokens = Counter("spade_edge_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.bytes_sent = Counter("spade_edge_bytes_sent", "Request bytes sent to the verifier", registry=r)
+        self.bytes_received = Counter("spade_edge_bytes_received", "Response bytes received from the verifier", registry=r)
+        self.draft_length = Histogram("spade_edge_draft_length", "Tokens drafted per block", buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64), registry=r)
+        self.draft_seconds = Histogram("spade_edge_draft_seconds", "Drafting one block", buckets=LATENCY_BUCKETS, registry=r)
+        self.verify_seconds = Histogram("spade_edge_verify_seconds", "Verify round trip (network + queue + forward)", buckets=LATENCY_BUCKETS, registry=r)
+        self.verifier_forward_seconds = Histogram("spade_edge_verifier_forward_seconds", "Verifier-reported forward time per call", buckets=LATENCY_BUCKETS, registry=r)

@@ -1,0 +1,181 @@
+"""The edge's client of the verifier: one keep-alive httpx connection pool per verifier, the
+session protocol (send only the unseen tail, resend the whole context on 409), retries of lost
+calls (safe: the verifier answers a repeated call from memory), and session cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+
+from edge_agent.drafter import DraftBlock
+from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.sampling import SamplingConfig
+from verifier_service.protocol import (
+    SESSION_RESYNC_CODE,
+    VerifierHealth,
+    VerifyRequest,
+    VerifyResponse,
+    WireSampling,
+    context_digest,
+)
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE_STATUSES = {429, 502, 503, 504}
+
+
+class VerifierProtocolError(GatewayError):
+    """The verifier refused a call the edge built: a bug on our side, reported as a 500."""
+
+
+class TokenizerMismatchError(RuntimeError):
+    """The verifier's tokenizer differs from the draft's: drafted ids would mean other text."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+    retries: int = 2
+    """Extra attempts after a lost call or a retryable status, with exponential backoff."""
+    backoff_s: float = 0.2
+
+
+@dataclass
+class CallRecord:
+    """What one verify exchange cost, for the request's stats."""
+
+    round_trip_s: float
+    bytes_sent: int
+    bytes_received: int
+    resynced: bool
+
+
+class VerifierClient:
+    def __init__(self, base_url: str, settings: ClientSettings = ClientSettings(), transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.settings = settings
+        timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+        self._background: set[asyncio.Task] = set()
+
+    async def health(self) -> VerifierHealth:
+        response = await self._http.get("/health")
+        return VerifierHealth.model_validate(response.json())
+
+    async def wait_until_ready(self, timeout_s: float) -> VerifierHealth:
+        """Poll /health until the verifier reports ok (it may still be loading its model)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                health = await self.health()
+                if health.status == "ok":
+                    return health
+                reason = "still loading its model"
+            except (httpx.HTTPError, ValueError) as error:
+                reason = f"{type(error).__name__}: {error}"
+            if time.monotonic() > deadline:
+                raise ServiceUnavailableError(f"verifier at {self.base_url} not ready after {timeout_s:.0f} s ({reason})")
+            logger.info("waiting for verifier at %s: %s", self.base_url, reason)
+            await asyncio.sleep(1.0)
+
+    def open_session(self) -> "VerifierSession":
+        return VerifierSession(self, f"edge-{uuid.uuid4().hex}")
+
+    def end_session_soon(self, session_id: str) -> None:
+        """DELETE the session in the background: a finishing (or cancelled) request must not wait."""
+        task = asyncio.get_running_loop().create_task(self._end_session(session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _end_session(self, session_id: str) -> None:
+        try:
+            await self._http.delete(f"/v1/sessions/{session_id}")
+        except httpx.HTTPError as error:  # the verifier's TTL frees it anyway
+            logger.debug("ending session %s failed: %s", session_id, error)
+
+    async def post_verify(self, request: VerifyRequest) -> tuple[httpx.Response, int]:
+        """POST with retries of lost calls and retryable statuses; returns (response, bytes sent)."""
+        body = request.model_dump_json(exclude_none=True).encode()
+        for attempt in range(self.settings.retries + 1):
+            try:
+                response = await self._http.post("/v1/verify", content=body, headers={"content-type": "application/json"})
+            except httpx.TransportError as error:
+                failure = f"{type(error).__name__}: {error}"
+            else:
+                if response.status_code not in RETRYABLE_STATUSES:
+                    return response, len(body)
+                failure = f"HTTP {response.status_code}"
+            if attempt < self.settings.retries:
+                await asyncio.sleep(self.settings.backoff_s * 2**attempt)
+        raise ServiceUnavailableError(f"the verifier at {self.base_url} is unavailable ({failure})", code="verifier_unavailable")
+
+    async def aclose(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._http.aclose()
+
+
+@dataclass
+class VerifierSession:
+    """One generation's session on the verifier; remembers how much of the context it holds."""
+
+    client: VerifierClient
+    session_id: str
+    verifier_length: int = 0
+    records: list[CallRecord] = field(default_factory=list)
+
+    async def verify(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyResponse:
+        started = time.perf_counter()
+        resynced = False
+        request = self._request(context, block, sampling)
+        response, bytes_sent = await self.client.post_verify(request)
+        if response.status_code == 409 and _error_code(response) == SESSION_RESYNC_CODE:
+            resynced = True
+            self.verifier_length = 0
+            request = self._request(context, block, sampling)
+            response, resent = await self.client.post_verify(request)
+            bytes_sent += resent
+        if response.status_code != 200:
+            raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
+        verdict = VerifyResponse.model_validate_json(response.content)
+        self.verifier_length = verdict.context_length
+        self.records.append(CallRecord(time.perf_counter() - started, bytes_sent, len(response.content), resynced))
+        return verdict
+
+    def close(self) -> None:
+        if self.verifier_length or self.records:
+            self.client.end_session_soon(self.session_id)
+
+    def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyRequest:
+        known = self.verifier_length
+        return VerifyRequest(
+            session_id=self.session_id,
+            prefix_length=known,
+            prefix_digest=context_digest(context[:known]),
+            new_tokens=context[known:],
+            draft_tokens=block.token_ids,
+            draft_probs=block.probs,
+            sampling=WireSampling.from_config(sampling),
+        )
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def check_tokenizer(health: VerifierHealth, draft_fingerprint: str) -> None:
+    if health.tokenizer_fingerprint != draft_fingerprint:
+        raise TokenizerMismatchError(
+            f"the verifier's model {health.model!r} has a different tokenizer than the draft model "
+            f"(fingerprint {health.tokenizer_fingerprint} vs {draft_fingerprint}); drafted token ids would "
+            "mean different text. Use a draft model that shares the target's tokenizer."
+        )
