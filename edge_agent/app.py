@@ -48,7 +48,8 @@ async def build_engine(settings: EdgeSettings, metrics: EdgeMetrics, draft_loade
         "edge ready: drafting with %s for %s at %s (draft length %s)",
         draft.model_id, health.model, settings.verifier_url, settings.draft_length,
     )
-    return SpeculativeEngine(drafter, draft.tokenizer, client, TargetDescription.from_health(health), draft_length, metrics)
+    target = TargetDescription.from_health(health)
+    return SpeculativeEngine(drafter, draft.tokenizer, client, target, draft_length, metrics, settings.fallback == "draft")
 
 
 def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -> FastAPI:
@@ -77,6 +78,8 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({
             "status": "ok",
+            "verifier": "ok" if engine.verifier_reachable else "unreachable",
+            "fallback": settings.fallback,
             "model": engine.model_id,
             "draft_model": settings.draft_model,
             "verifier_url": settings.verifier_url,

@@ -50,6 +50,7 @@ class SpeculativeEngine:
         target: TargetDescription,
         draft_length: FixedDraftLength | AdaptiveDraftLength,
         metrics: EdgeMetrics,
+        fallback_to_draft: bool = False,
     ) -> None:
         self._drafter = drafter
         self._tokenizer = tokenizer
@@ -57,6 +58,7 @@ class SpeculativeEngine:
         self._target = target
         self._draft_length = draft_length
         self._metrics = metrics
+        self._fallback_to_draft = fallback_to_draft
         # One drafting thread: draft forwards stay off the event loop, in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 
@@ -80,6 +82,10 @@ class SpeculativeEngine:
     def vocab_size(self) -> int:
         return self._target.vocab_size
 
+    @property
+    def verifier_reachable(self) -> bool:
+        return self._client.is_reachable
+
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
         draft_session = self._drafter.start_session()
         verifier_session = self._client.open_session()
@@ -92,14 +98,20 @@ class SpeculativeEngine:
                 num_drafted = self.block_length(request.max_tokens - num_generated, len(context))
                 block, draft_s = await self._draft(draft_session, context, num_drafted, request)
                 verdict = await self._verify(verifier_session, context, block, request)
-                draft_session.observe(verdict.num_accepted, verdict.next_token)
-                self._record(stats, verifier_session, block, verdict, draft_s)
-                emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
+                if verdict is None:  # verifier unreachable, serving the draft (--fallback draft)
+                    emitted, logprobs = block.token_ids, [float("nan")] * len(block.token_ids)
+                    stats.fallback_tokens += len(emitted)
+                    stats.draft_ms += draft_s * 1e3
+                else:
+                    draft_session.observe(verdict.num_accepted, verdict.next_token)
+                    self._record(stats, verifier_session, block, verdict, draft_s)
+                    emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
+                    logprobs = verdict.logprobs
                 context += emitted
                 kept = self.kept_tokens(emitted, request.max_tokens - num_generated, request.eos_token_ids)
                 num_generated += kept
                 self._metrics.generated_tokens.inc(kept)
-                yield GeneratedTokens(emitted[:kept], verdict.logprobs[:kept])
+                yield GeneratedTokens(emitted[:kept], logprobs[:kept])
                 if kept < len(emitted) or emitted[-1] in request.eos_token_ids:
                     return
         finally:
@@ -128,12 +140,16 @@ class SpeculativeEngine:
         block = await loop.run_in_executor(self._executor, session.propose, list(context), num_drafted, request.sampling)
         return block, time.perf_counter() - started
 
-    async def _verify(self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest) -> VerifyResponse:
+    async def _verify(self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest) -> VerifyResponse | None:
+        """The verdict; None when the verifier is unreachable and the edge falls back to the draft."""
         try:
             return await session.verify(context, block, request.sampling)
         except ServiceUnavailableError:
             self._metrics.verify_failures.inc()
-            raise
+            if not self._fallback_to_draft:
+                raise
+            self._metrics.fallback_tokens.inc(len(block.token_ids))
+            return None
 
     def _record(self, stats: SpadeStats, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, draft_s: float) -> None:
         call = session.records[-1]

@@ -18,6 +18,7 @@ class EdgeMetrics:
         self.verify_calls = Counter("spade_edge_verify_calls", "Verify calls made", registry=r)
         self.resyncs = Counter("spade_edge_resyncs", "Verify calls repeated with the full context after a 409", registry=r)
         self.verify_failures = Counter("spade_edge_verify_failures", "Generations ended by an unreachable or failing verifier", registry=r)
+        self.fallback_tokens = Counter("spade_edge_fallback_tokens", "Unverified draft tokens served while the verifier was unreachable (--fallback draft)", registry=r)
         self.drafted_tokens = Counter("spade_edge_drafted_tokens", "Tokens drafted", registry=r)
         self.accepted_tokens = Counter("spade_edge_accepted_tokens", "Drafted tokens accepted", registry=r)
         self.bytes_sent = Counter("spade_edge_bytes_sent", "Request bytes sent to the verifier", registry=r)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -25,6 +27,8 @@ class EdgeSettings(BaseSettings):
     max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
     verify_retries: int = Field(2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.")
+    fallback: Literal["error", "draft"] = Field("error", description="When the verifier is unreachable: 'error' answers 503 (or an in-band stream error); 'draft' keeps serving the draft model's own tokens, unverified, counted in spade.fallback_tokens.")
+    circuit_open_s: float = Field(5.0, gt=0, description="After the verifier is found unreachable, fail (or fall back) at once for this long before trying it again.")
     startup_timeout_s: float = Field(900.0, gt=0, description="How long to wait at start-up for the verifier's /health to report ok.")
     log_level: str = Field("info", description="Logging level.")
 
@@ -35,4 +39,4 @@ class EdgeSettings(BaseSettings):
         return value
 
     def client_settings(self) -> ClientSettings:
-        return ClientSettings(timeout_s=self.verify_timeout_s, retries=self.verify_retries)
+        return ClientSettings(timeout_s=self.verify_timeout_s, retries=self.verify_retries, circuit_open_s=self.circuit_open_s)

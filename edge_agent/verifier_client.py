@@ -44,6 +44,9 @@ class ClientSettings:
     retries: int = 2
     """Extra attempts after a lost call or a retryable status, with exponential backoff."""
     backoff_s: float = 0.2
+    circuit_open_s: float = 5.0
+    """After the verifier is found unreachable, calls fail at once for this long instead of
+    each waiting for timeouts and retries; then the next call tries the verifier again."""
 
 
 @dataclass
@@ -63,6 +66,12 @@ class VerifierClient:
         timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
         self._background: set[asyncio.Task] = set()
+        self._unreachable_until = 0.0
+
+    @property
+    def is_reachable(self) -> bool:
+        """False while the circuit is open (the last call found the verifier unreachable)."""
+        return time.monotonic() >= self._unreachable_until
 
     async def health(self) -> VerifierHealth:
         response = await self._http.get("/health")
@@ -101,6 +110,8 @@ class VerifierClient:
 
     async def post_verify(self, request: VerifyRequest) -> tuple[httpx.Response, int]:
         """POST with retries of lost calls and retryable statuses; returns (response, bytes sent)."""
+        if not self.is_reachable:
+            raise ServiceUnavailableError(f"the verifier at {self.base_url} is unreachable (retrying shortly)", code="verifier_unavailable")
         body = request.model_dump_json(exclude_none=True).encode()
         for attempt in range(self.settings.retries + 1):
             try:
@@ -113,6 +124,7 @@ class VerifierClient:
                 failure = f"HTTP {response.status_code}"
             if attempt < self.settings.retries:
                 await asyncio.sleep(self.settings.backoff_s * 2**attempt)
+        self._unreachable_until = time.monotonic() + self.settings.circuit_open_s
         raise ServiceUnavailableError(f"the verifier at {self.base_url} is unavailable ({failure})", code="verifier_unavailable")
 
     async def aclose(self) -> None:

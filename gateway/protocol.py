@@ -96,6 +96,9 @@ class SpadeStats(BaseModel):
     """Tokens that went through the target's forward passes, rejected drafts included."""
     resyncs: int = 0
     """Verify calls repeated with the full context after a 409 (session lost on the verifier)."""
+    fallback_tokens: int = 0
+    """Tokens served by the draft model alone while the verifier was unreachable (only with
+    the edge's ``--fallback draft``): NOT verified, so not the target's distribution."""
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     """Round trips of the verify calls, network and queueing included."""
