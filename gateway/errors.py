@@ -87,6 +87,9 @@ def error_response(error: BaseException) -> JSONResponse:
 
 def _validation_body(error: RequestValidationError) -> ErrorResponse:
     first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
+    if first.get("type") == "json_invalid":  # its loc is ("body", character offset), not a field
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return ErrorResponse(error=ErrorBody(message=f"malformed JSON body: {detail}", type="invalid_request_error"))
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
     message = f"{param}: {first['msg']}" if param else str(first["msg"])

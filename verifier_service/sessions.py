@@ -63,15 +63,19 @@ class SessionRegistry:
         return sum(len(session.token_ids) for session in self._sessions.values())
 
     def get(self, session_id: str) -> Session | None:
+        """The session, or None when unknown or idle past the TTL (an expired one stays listed
+        until the next evict(), which drops it and tells the backend)."""
         session = self._sessions.get(session_id)
-        if session is not None:
-            session.last_used = time.monotonic()
-            self._sessions.move_to_end(session_id)
+        if session is None or self._is_expired(session):
+            return None
+        session.last_used = time.monotonic()
+        self._sessions.move_to_end(session_id)
         return session
 
     def get_or_create(self, session_id: str) -> Session:
         session = self.get(session_id)
         if session is None:
+            self._sessions.pop(session_id, None)  # an expired one is replaced (newest, not in its old place)
             session = self._sessions[session_id] = Session(session_id)
         return session
 
@@ -93,9 +97,11 @@ class SessionRegistry:
             evicted.append(session_id)
         return evicted
 
+    def _is_expired(self, session: Session) -> bool:
+        return session.last_used < time.monotonic() - self._limits.ttl_s
+
     def _evict_expired(self, keep: str | None) -> list[str]:
-        deadline = time.monotonic() - self._limits.ttl_s
-        expired = [sid for sid, s in self._sessions.items() if s.last_used < deadline and sid != keep]
+        expired = [sid for sid, s in self._sessions.items() if self._is_expired(s) and sid != keep]
         for session_id in expired:
             del self._sessions[session_id]
         return expired

@@ -1,0 +1,128 @@
+"""Session eviction: least recently used beyond the session count or the token budget, and
+idle sessions past their TTL; an evicted session is answered 409 (resync). Through the app with
+small limits, and on the registry alone.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from verifier_service.sessions import SessionLimits, SessionRegistry
+from verifier_support import (
+    Session,
+    committed_after,
+    open_session,
+    post_verify,
+    random_tokens,
+    running_client,
+    verifier_app,
+    verify,
+    verify_body,
+)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(target_model) -> int:
+    return target_model.model.get_output_embeddings().weight.shape[0]
+
+
+# --- eviction: LRU and TTL --------------------------------------------------------------------
+
+
+def follow_up_status(client, session: Session) -> int:
+    return post_verify(client, verify_body(session.session_id, session.committed, [5])).status_code
+
+
+def test_least_recently_used_session_is_evicted_beyond_max_sessions(tiny_pair, vocab_size):
+    rng = random.Random(28)
+    with running_client(verifier_app(tiny_pair, max_sessions=2)) as client:
+        first, second, third = (open_session(client, random_tokens(rng, 6, vocab_size), [5]) for _ in range(3))
+        assert [follow_up_status(client, s) for s in (first, second, third)] == [409, 200, 200]
+
+
+def test_a_recently_used_session_is_kept_over_an_older_one(tiny_pair, vocab_size):
+    rng = random.Random(29)
+    with running_client(verifier_app(tiny_pair, max_sessions=2)) as client:
+        first, second = (open_session(client, random_tokens(rng, 6, vocab_size), [5]) for _ in range(2))
+        answer = verify(client, verify_body(first.session_id, first.committed, [5]))
+        first.committed = committed_after(first.committed, [5], answer)
+        third = open_session(client, random_tokens(rng, 6, vocab_size), [5])
+        assert [follow_up_status(client, s) for s in (second, first, third)] == [409, 200, 200]
+
+
+def test_sessions_are_evicted_beyond_the_total_token_budget(tiny_pair, vocab_size):
+    rng = random.Random(30)
+    with running_client(verifier_app(tiny_pair, max_session_tokens=30)) as client:
+        first, second = (open_session(client, random_tokens(rng, 20, vocab_size), [5]) for _ in range(2))
+        assert [follow_up_status(client, s) for s in (first, second)] == [409, 200]
+
+
+def test_idle_session_past_its_ttl_is_answered_409(tiny_pair, vocab_size):
+    with running_client(verifier_app(tiny_pair, session_ttl_s=0.05)) as client:
+        session = open_session(client, random_tokens(random.Random(31), 6, vocab_size), [5])
+        time.sleep(0.1)  # longer than the TTL, however slow the machine
+        assert follow_up_status(client, session) == 409
+
+
+def test_idle_session_past_its_ttl_is_evicted_by_other_traffic(tiny_pair, vocab_size):
+    rng = random.Random(32)
+    with running_client(verifier_app(tiny_pair, session_ttl_s=0.05)) as client:
+        idle = open_session(client, random_tokens(rng, 6, vocab_size), [5])
+        time.sleep(0.1)
+        open_session(client, random_tokens(rng, 6, vocab_size), [5])
+        assert client.delete(f"/v1/sessions/{idle.session_id}").json()["deleted"] is False
+
+
+# --- the session registry, pure ---------------------------------------------------------------
+
+
+def registry_with(limits: SessionLimits, sizes: dict[str, int]) -> SessionRegistry:
+    """A registry holding sessions of the given token counts, created in that order."""
+    registry = SessionRegistry(limits)
+    for session_id, size in sizes.items():
+        registry.get_or_create(session_id).token_ids = list(range(size))
+    return registry
+
+
+def test_registry_evicts_the_least_recently_used_beyond_max_sessions():
+    registry = registry_with(SessionLimits(max_sessions=2), {"a": 1, "b": 1, "c": 1})
+    registry.get("a")
+    assert (registry.evict(keep="c"), registry.get("b")) == (["b"], None)
+
+
+def test_registry_never_evicts_the_session_being_served():
+    registry = registry_with(SessionLimits(max_sessions=1), {"a": 1, "b": 1})
+    assert registry.evict(keep="a") == ["b"]
+
+
+def test_registry_evicts_oldest_sessions_until_under_the_token_budget():
+    registry = registry_with(SessionLimits(max_total_tokens=10), {"a": 4, "b": 4, "c": 4})
+    assert (registry.evict(keep="c"), registry.num_tokens) == (["a"], 8)
+
+
+def test_registry_does_not_return_a_session_idle_past_its_ttl():
+    registry = registry_with(SessionLimits(ttl_s=60.0), {"a": 1})
+    registry.get("a").last_used -= 61.0
+    assert registry.get("a") is None
+
+
+def test_registry_evicts_sessions_idle_past_their_ttl():
+    registry = registry_with(SessionLimits(ttl_s=60.0), {"a": 1, "b": 1, "c": 1})
+    registry.get("a").last_used -= 61.0
+    registry.get("b").last_used -= 61.0
+    assert (registry.evict(keep="c"), len(registry)) == (["a", "b"], 1)
+
+
+def test_registry_replaces_an_expired_session_with_a_fresh_one():
+    registry = registry_with(SessionLimits(ttl_s=60.0), {"a": 5})
+    registry.get("a").last_used -= 61.0
+    assert registry.get_or_create("a").token_ids == []
+
+
+@pytest.mark.parametrize("bad", [dict(max_sessions=0), dict(max_total_tokens=0), dict(ttl_s=0.0)])
+def test_session_limits_refuse_non_positive_values(bad):
+    with pytest.raises(ValueError):
+        SessionLimits(**bad)
