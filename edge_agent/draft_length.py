@@ -13,7 +13,7 @@ a, t_draft and t_verify are exponential moving averages of what the edge measure
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens(acceptance_rate: float, num_drafted: int) -> float:
@@ -53,12 +53,17 @@ class AdaptiveDraftLength:
     smoothing: float = 0.2
     """Weight of the newest observation in the moving averages."""
     acceptance_rate: float = 0.7
+    """Per-token acceptance estimate: accepted_per_block / trials_per_block."""
     draft_s_per_token: float = 0.02
     verify_s: float = 0.05
+    accepted_per_block: float = field(init=False)
+    trials_per_block: float = field(init=False)
 
     def __post_init__(self) -> None:
         if self.max_length < 1 or not 0 < self.smoothing <= 1:
             raise ValueError("max_length must be >= 1 and smoothing in (0, 1]")
+        # The prior counts as one trial at the prior rate.
+        self.accepted_per_block, self.trials_per_block = self.acceptance_rate, 1.0
 
     def next_length(self) -> int:
         return best_draft_length(self.acceptance_rate, self.draft_s_per_token, self.verify_s, self.max_length)
@@ -66,11 +71,14 @@ class AdaptiveDraftLength:
     def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
         if num_drafted < 1:
             return
-        # Per-token rate from a block: accepted / (accepted + the one rejected) is the maximum
-        # likelihood estimate of a under the geometric model; all accepted counts d successes.
+        # Each drafted token up to the first rejection is one trial of rate a (all accepted: d
+        # trials). The estimate is the ratio of the averages, accepted / trials, which converges
+        # to a; the average of the per-block ratios k / (k + 1) does not (it reads a = 0.8 as
+        # about 0.6 with blocks of 16, and so picks blocks too short).
         trials = num_accepted + (0 if num_accepted == num_drafted else 1)
-        block_rate = num_accepted / trials if trials else self.acceptance_rate
-        self.acceptance_rate = min(0.99, self._blend(self.acceptance_rate, block_rate))
+        self.accepted_per_block = self._blend(self.accepted_per_block, num_accepted)
+        self.trials_per_block = self._blend(self.trials_per_block, trials)
+        self.acceptance_rate = min(0.99, self.accepted_per_block / self.trials_per_block)
         self.draft_s_per_token = self._blend(self.draft_s_per_token, draft_s / num_drafted)
         self.verify_s = self._blend(self.verify_s, verify_s)
 

@@ -109,7 +109,9 @@ class ModelDraftSession:
         self.entry.token_ids = self.entry.token_ids + input_ids
         logits = output.logits[0, -1].float()
         if self.drafter.vocab_limit is not None and self.drafter.vocab_limit < logits.shape[-1]:
-            logits[self.drafter.vocab_limit:] = float("-inf")
+            # Out of place: the logits are an inference tensor, which refuses in-place updates here.
+            beyond_limit = torch.arange(logits.shape[-1], device=logits.device) >= self.drafter.vocab_limit
+            logits = logits.masked_fill(beyond_limit, float("-inf"))
         return logits
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, uniform: float) -> tuple[int, SparseDistribution | None]:

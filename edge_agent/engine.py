@@ -72,7 +72,10 @@ class SpeculativeEngine:
 
     @property
     def max_context_length(self) -> int:
-        return self._target.max_context_length
+        """One less than the target's: every verify call carries at least one drafted token and
+        the verifier needs room for context + block + next token, so the last token of a
+        request filling the target's whole context could not be verified (a 500 at the end)."""
+        return self._target.max_context_length - 1
 
     @property
     def eos_token_ids(self) -> frozenset[int]:

@@ -141,10 +141,14 @@ class VerifierSession:
     session_id: str
     verifier_length: int = 0
     records: list[CallRecord] = field(default_factory=list)
+    has_called: bool = False
+    """A verify call was sent: the verifier may hold the session even without an answer here
+    (the first call cancelled in flight, when the client went away)."""
 
     async def verify(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyResponse:
         started = time.perf_counter()
         resynced = False
+        self.has_called = True
         request = self._request(context, block, sampling)
         response, bytes_sent = await self.client.post_verify(request)
         if response.status_code == 409 and _error_code(response) == SESSION_RESYNC_CODE:
@@ -161,7 +165,7 @@ class VerifierSession:
         return verdict
 
     def close(self) -> None:
-        if self.verifier_length or self.records:
+        if self.has_called:
             self.client.end_session_soon(self.session_id)
 
     def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyRequest:

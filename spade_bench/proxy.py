@@ -147,6 +147,8 @@ class DelayProxy:
         self._tasks.add(task)
         try:
             await self._relay(client_reader, client_writer)
+        except asyncio.CancelledError:
+            pass  # the proxy is closing; ending quietly keeps asyncio from logging the cancel
         finally:
             self._tasks.discard(task)
 
