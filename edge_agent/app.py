@@ -37,12 +37,21 @@ async def load_draft(settings: EdgeSettings) -> LoadedModel:
 async def build_engine(settings: EdgeSettings, metrics: EdgeMetrics, draft_loader: DraftLoader = load_draft) -> SpeculativeEngine:
     client = VerifierClient(settings.verifier_url, settings.client_settings())
     try:
-        draft, health = await asyncio.gather(draft_loader(settings), client.wait_until_ready(settings.startup_timeout_s))
+        # Load the draft while waiting for the verifier; if either fails the other is cancelled.
+        async with asyncio.TaskGroup() as group:
+            loading = group.create_task(draft_loader(settings))
+            waiting = group.create_task(client.wait_until_ready(settings.startup_timeout_s))
+        draft, health = loading.result(), waiting.result()
         check_tokenizer(health, tokenizer_fingerprint(draft.tokenizer))
+    except BaseExceptionGroup as group_error:
+        await client.aclose()
+        raise group_error.exceptions[0] from None
     except BaseException:
         await client.aclose()
         raise
-    drafter = ModelDrafter(draft, max_support=settings.max_draft_support, vocab_limit=health.vocab_size)
+    # The verifier refuses distributions wider than its limit: draft within both.
+    max_support = min(settings.max_draft_support, health.max_draft_support)
+    drafter = ModelDrafter(draft, max_support=max_support, vocab_limit=health.vocab_size)
     draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length)
     logger.info(
         "edge ready: drafting with %s for %s at %s (draft length %s)",

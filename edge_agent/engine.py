@@ -72,10 +72,7 @@ class SpeculativeEngine:
 
     @property
     def max_context_length(self) -> int:
-        """One less than the target's: every verify call carries at least one drafted token and
-        the verifier needs room for context + block + next token, so the last token of a
-        request filling the target's whole context could not be verified (a 500 at the end)."""
-        return self._target.max_context_length - 1
+        return self._target.max_context_length
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -119,14 +116,14 @@ class SpeculativeEngine:
                     return
         finally:
             self._metrics.active_requests.dec()
-            # On the drafting thread: a draft forward of this request may still be running.
-            self._executor.submit(draft_session.close)
+            self._close_draft_session(draft_session)
             verifier_session.close()
 
     def block_length(self, remaining: int, context_length: int) -> int:
         """The controller's choice, capped by what the budget can use (a block of d yields up
-        to d + 1 tokens), the verifier's block limit and the context left."""
-        room = self._target.max_context_length - context_length - 1
+        to d + 1 tokens), the verifier's block limit and the context left (the verifier feeds
+        context + block, which must fit; the next token is not fed)."""
+        room = self._target.max_context_length - context_length
         return max(1, min(self._draft_length.next_length(), remaining - 1, self._target.max_draft_tokens, room))
 
     @staticmethod
@@ -136,6 +133,14 @@ class SpeculativeEngine:
             if token_id in eos_token_ids:
                 return index + 1
         return min(len(emitted), remaining)
+
+    def _close_draft_session(self, session: DraftSession) -> None:
+        """On the drafting thread, where a draft forward of this request may still be running;
+        directly once the engine has shut that thread down."""
+        try:
+            self._executor.submit(session.close)
+        except RuntimeError:
+            session.close()
 
     async def _draft(self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest) -> tuple[DraftBlock, float]:
         started = time.perf_counter()

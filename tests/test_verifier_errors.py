@@ -84,8 +84,8 @@ def without(field: str) -> Callable[[dict, int], dict]:
 
 
 def filling_the_context(body: dict, vocab: int) -> dict:
-    """Context + one drafted token + 1 = MAX_CONTEXT + 1."""
-    return body | {"new_tokens": [5] * (MAX_CONTEXT - body["prefix_length"] - 1)}
+    """Context + one drafted token = MAX_CONTEXT + 1 tokens to feed."""
+    return body | {"new_tokens": [5] * (MAX_CONTEXT - body["prefix_length"])}
 
 
 TOO_WIDE_SUPPORT = _draft_probs(list(range(5, 6 + MAX_SUPPORT)), [1 / (MAX_SUPPORT + 1)] * (MAX_SUPPORT + 1))
@@ -140,7 +140,7 @@ def test_bad_verify_call_leaves_the_session_intact(client, model, vocab_size, ca
 
 
 def test_block_reaching_exactly_the_max_context_length_is_accepted(client, vocab_size):
-    context = random_tokens(random.Random(26), MAX_CONTEXT - 3 - 1, vocab_size)
+    context = random_tokens(random.Random(26), MAX_CONTEXT - 3, vocab_size)
     assert post_verify(client, verify_body(new_session_id(), [], [5, 6, 7], new_tokens=context)).status_code == 200
 
 

@@ -93,10 +93,11 @@ class VerifierService:
         return self._dense_draft_probs(request.draft_probs, request.draft_tokens)
 
     def validate_length(self, context_length: int, num_drafted: int) -> None:
-        needed = context_length + num_drafted + 1
-        if needed > self.backend.info.max_context_length:
+        """The forward feeds context + block; the next token is emitted, not fed, so a block
+        may end exactly at the context limit (the last token of a full context is verifiable)."""
+        if context_length + num_drafted > self.backend.info.max_context_length:
             raise InvalidRequestError(
-                f"context ({context_length}) + block ({num_drafted}) + 1 exceeds the target's "
+                f"context ({context_length}) + block ({num_drafted}) exceeds the target's "
                 f"maximum context length {self.backend.info.max_context_length}",
                 param="draft_tokens",
                 code="context_length_exceeded",

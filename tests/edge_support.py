@@ -1,0 +1,159 @@
+"""Helpers shared by the edge agent's end-to-end tests: apps on the tiny pair, raw SSE reading,
+Prometheus samples, and bounded polling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from edge_agent.app import create_app as create_edge_app
+from edge_agent.draft_length import parse_draft_length
+from edge_agent.drafter import ModelDrafter
+from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.metrics import EdgeMetrics
+from edge_agent.settings import EdgeSettings
+from edge_agent.verifier_client import VerifierClient
+from servers import _wait_bound, _wait_ready
+from spade_models.loader import ModelSource, load_model
+from verifier_service.app import create_app as create_verifier_app
+from verifier_service.settings import VerifierSettings
+
+DONE = "[DONE]"
+
+
+def verifier_app(pair, **settings):
+    return create_verifier_app(VerifierSettings(model=str(pair.target_dir), **settings))
+
+
+def edge_app(pair, verifier_url: str, draft_length: str | int = "3", **settings):
+    return create_edge_app(
+        EdgeSettings(draft_model=str(pair.draft_dir), verifier_url=verifier_url, draft_length=str(draft_length), **settings)
+    )
+
+
+class RestartableServer:
+    """A uvicorn server on a loopback port that a test can stop mid-request, then start again
+    (with a new app) on the same port: a verifier outage and its recovery at one URL."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, app, timeout_s: float = 120.0) -> str:
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        self.port = int(_wait_bound(self._server, self._thread, timeout_s).rsplit(":", 1)[1])
+        _wait_ready(self.url + "/health", timeout_s)
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=30)
+            self._server = self._thread = None
+
+
+def sse_payloads(lines) -> list[str]:
+    """The ``data:`` payloads of an SSE stream, in order (comments and blank lines dropped)."""
+    return [line.removeprefix("data:").strip() for line in lines if line.startswith("data:")]
+
+
+def stream_payloads(base_url: str, path: str, body: dict) -> list[str]:
+    """POST a streamed request and return every ``data:`` payload, [DONE] included."""
+    with httpx.stream("POST", base_url + path, json=body | {"stream": True}, timeout=60) as response:
+        response.raise_for_status()
+        return sse_payloads(response.iter_lines())
+
+
+def json_chunks(payloads: list[str]) -> list[dict]:
+    return [json.loads(payload) for payload in payloads if payload != DONE]
+
+
+def metric_value(base_url: str, sample_name: str) -> float:
+    """One sample of the service's /metrics, e.g. ``spade_edge_requests_total``."""
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == sample_name:
+                return sample.value
+    raise KeyError(f"{sample_name} not in {base_url}/metrics")
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes (a bound on waiting, not a speed
+    requirement); returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return condition()
+        time.sleep(interval_s)
+    return True
+
+
+class RecordingTransport(httpx.ASGITransport):
+    """Calls an ASGI app in this process and remembers the session ids of the verify calls."""
+
+    def __init__(self, app) -> None:
+        super().__init__(app=app)
+        self.session_ids: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/verify":
+            session_id = json.loads(request.content)["session_id"]
+            if session_id not in self.session_ids:
+                self.session_ids.append(session_id)
+        return await super().handle_async_request(request)
+
+
+@dataclass
+class InProcessStack:
+    engine: SpeculativeEngine
+    verifier: object
+    """The verifier's FastAPI app (its service at ``verifier.state.service``)."""
+    transport: RecordingTransport
+
+
+@contextlib.asynccontextmanager
+async def in_process_engine(pair, draft_length: str = "3", **verifier_settings) -> AsyncIterator[InProcessStack]:
+    """The edge's speculative engine over a verifier app in this process: the same engine and
+    verifier code as the servers, with the HTTP hop replaced by an ASGI transport."""
+    verifier = verifier_app(pair, **verifier_settings)
+    async with verifier.router.lifespan_context(verifier):
+        await asyncio.wait_for(_loaded(verifier), timeout=120)
+        transport = RecordingTransport(verifier)
+        client = VerifierClient("http://verifier", transport=transport)
+        health = await client.health()
+        draft = load_model(ModelSource(str(pair.draft_dir)))
+        engine = SpeculativeEngine(
+            ModelDrafter(draft, vocab_limit=health.vocab_size),
+            draft.tokenizer,
+            client,
+            TargetDescription.from_health(health),
+            parse_draft_length(draft_length, 16),
+            EdgeMetrics(),
+        )
+        try:
+            yield InProcessStack(engine, verifier, transport)
+        finally:
+            await engine.aclose()
+
+
+async def _loaded(verifier) -> None:
+    while verifier.state.service is None:  # the verifier loads its model in the background
+        await asyncio.sleep(0.01)

@@ -1,0 +1,257 @@
+"""Units of the edge agent: the draft-length rule and controllers, the engine's block and budget
+arithmetic, and the model drafter (greedy proposals, KV cache reuse, sampled distributions)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from edge_agent.draft_length import (
+    AdaptiveDraftLength,
+    FixedDraftLength,
+    best_draft_length,
+    expected_tokens,
+    parse_draft_length,
+)
+from edge_agent.drafter import ModelDrafter
+from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.metrics import EdgeMetrics
+from gateway.sampling import SamplingConfig
+
+EOS = 9
+
+# The draft-length rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("acceptance_rate", "num_drafted", "expected"),
+    [(0.8, 3, (1 - 0.8**4) / 0.2), (0.5, 1, 1.5), (0.0, 4, 1.0), (1.0, 5, 6.0)],
+)
+def test_expected_tokens_is_accepted_drafts_plus_the_next_token(acceptance_rate, num_drafted, expected):
+    assert expected_tokens(acceptance_rate, num_drafted) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("verify_s", "expected"), [(0.01, 1), (0.1, 4), (0.3, 7)])
+def test_best_draft_length_matches_the_documented_examples(verify_s, expected):
+    assert best_draft_length(0.8, 0.02, verify_s, 16) == expected
+
+
+def test_best_draft_length_grows_with_the_verify_time():
+    lengths = [best_draft_length(0.8, 0.02, verify_ms / 1000, 16) for verify_ms in range(1, 3000, 10)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
+def test_best_draft_length_never_exceeds_its_maximum():
+    assert best_draft_length(0.99, 0.001, 10.0, 8) == 8
+
+
+def _feed(controller: AdaptiveDraftLength, acceptance: float, draft_s_per_token: float, verify_s: float, blocks: int = 300) -> list[int]:
+    """Blocks of the controller's length whose drafted tokens are each accepted with probability
+    ``acceptance`` until the first rejection, as a verifier answers them; returns the lengths."""
+    rng = random.Random(0)
+    lengths = []
+    for _ in range(blocks):
+        num_drafted = controller.next_length()
+        num_accepted = 0
+        while num_accepted < num_drafted and rng.random() < acceptance:
+            num_accepted += 1
+        controller.observe(num_drafted, num_accepted, draft_s_per_token * num_drafted, verify_s)
+        lengths.append(num_drafted)
+    return lengths
+
+
+def test_adaptive_length_drafts_long_blocks_with_good_acceptance_and_slow_verify():
+    lengths = _feed(AdaptiveDraftLength(max_length=16), acceptance=0.9, draft_s_per_token=0.01, verify_s=0.5)
+    assert sum(lengths[-100:]) / 100 >= 14
+
+
+def test_adaptive_length_falls_to_one_with_poor_acceptance():
+    controller = AdaptiveDraftLength(max_length=16)
+    _feed(controller, acceptance=0.1, draft_s_per_token=0.01, verify_s=0.1)
+    assert controller.next_length() == 1
+
+
+def test_adaptive_acceptance_estimate_converges_to_the_true_rate():
+    # Regression: averaging per-block estimates k / (k + 1) read a rate of 0.8 as about 0.6.
+    controller = AdaptiveDraftLength(max_length=16, smoothing=0.02)
+    _feed(controller, acceptance=0.8, draft_s_per_token=0.01, verify_s=0.3, blocks=2000)
+    assert controller.acceptance_rate == pytest.approx(0.8, abs=0.05)
+
+
+def test_adaptive_length_estimates_the_measured_times():
+    controller = AdaptiveDraftLength(max_length=16)
+    _feed(controller, acceptance=0.5, draft_s_per_token=0.004, verify_s=0.2)
+    assert (controller.draft_s_per_token, controller.verify_s) == (pytest.approx(0.004), pytest.approx(0.2))
+
+
+def test_adaptive_length_ignores_empty_blocks():
+    controller = AdaptiveDraftLength()
+    controller.observe(0, 0, 0.0, 0.0)
+    assert controller == AdaptiveDraftLength()
+
+
+def test_fixed_length_learns_nothing():
+    controller = FixedDraftLength(5)
+    controller.observe(5, 0, 10.0, 10.0)
+    assert controller.next_length() == 5
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", AdaptiveDraftLength(max_length=12)), (" AUTO ", AdaptiveDraftLength(max_length=12)), ("5", FixedDraftLength(5)), (3, FixedDraftLength(3))])
+def test_parse_draft_length(value, expected):
+    assert parse_draft_length(value, 12) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "2.5", "five", ""])
+def test_parse_draft_length_refuses_anything_but_a_positive_integer_or_auto(value):
+    with pytest.raises(ValueError, match="positive integer or 'auto'"):
+        parse_draft_length(value, 12)
+
+
+@pytest.mark.parametrize("arguments", [dict(max_length=0), dict(smoothing=0.0), dict(smoothing=1.5)])
+def test_adaptive_length_refuses_bad_settings(arguments):
+    with pytest.raises(ValueError):
+        AdaptiveDraftLength(**arguments)
+
+
+# The engine's block and budget arithmetic -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("emitted", "remaining", "kept"),
+    [
+        ([5, 6, 7], 10, 3),  # all of them
+        ([5, 6, 7], 2, 2),  # cut to the budget
+        ([5, EOS, 7], 10, 2),  # through the EOS, not past it
+        ([EOS, 5], 10, 1),  # EOS first
+        ([5, EOS, 7], 2, 2),  # EOS is the last token the budget allows
+        ([5, 6, EOS], 2, 2),  # EOS past the budget
+    ],
+)
+def test_kept_tokens(emitted, remaining, kept):
+    assert SpeculativeEngine.kept_tokens(emitted, remaining, frozenset({EOS})) == kept
+
+
+def _engine(draft_length: int = 5, max_context_length: int = 1000, max_draft_tokens: int = 64) -> SpeculativeEngine:
+    target = TargetDescription("target", max_context_length, max_draft_tokens, frozenset({EOS}), 384)
+    return SpeculativeEngine(None, None, None, target, FixedDraftLength(draft_length), EdgeMetrics())
+
+
+@pytest.mark.parametrize(
+    ("engine_arguments", "remaining", "context_length", "block"),
+    [
+        (dict(draft_length=5), 100, 10, 5),  # the controller's choice
+        (dict(draft_length=5), 4, 10, 3),  # a block of 3 yields up to the 4 tokens left
+        (dict(draft_length=5), 1, 10, 1),  # never an empty block
+        (dict(draft_length=5, max_draft_tokens=2), 100, 10, 2),  # the verifier's limit
+        (dict(draft_length=5, max_context_length=64), 100, 60, 4),  # 60 + 4 drafted fed = 64
+    ],
+)
+def test_block_length(engine_arguments, remaining, context_length, block):
+    assert _engine(**engine_arguments).block_length(remaining, context_length) == block
+
+
+# The model drafter ------------------------------------------------------------------------------
+
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def drafter(draft_model) -> ModelDrafter:
+    return ModelDrafter(draft_model, max_support=8)
+
+
+@pytest.fixture(scope="module")
+def context(draft_model) -> list[int]:
+    return draft_model.tokenizer.encode("The edge drafts a block")
+
+
+def greedy_continuation(model, token_ids: list[int], num_tokens: int) -> list[int]:
+    """The draft model's greedy continuation, recomputed from scratch at every step."""
+    token_ids = list(token_ids)
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            token_ids.append(int(model.model(input_ids=torch.tensor([token_ids])).logits[0, -1].argmax()))
+    return token_ids[-num_tokens:]
+
+
+def test_greedy_proposals_are_the_draft_models_greedy_continuation(drafter, draft_model, context):
+    block = drafter.start_session().propose(context, 6, GREEDY)
+    assert block.token_ids == greedy_continuation(draft_model, context, 6)
+
+
+def test_greedy_proposals_send_no_distributions(drafter, context):
+    assert drafter.start_session().propose(context, 3, GREEDY).probs is None
+
+
+def _after_a_rejection(context: list[int], block: list[int], num_accepted: int) -> tuple[list[int], int]:
+    """The committed context after a verdict that accepts ``num_accepted`` drafts and corrects
+    the next one to a different token."""
+    correction = (block[num_accepted] + 1) % 300
+    return context + block[:num_accepted] + [correction], correction
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0, seed=11)], ids=["greedy", "sampled"])
+def test_a_reused_cache_proposes_what_a_fresh_session_proposes(drafter, context, sampling):
+    session = drafter.start_session()
+    first = session.propose(context, 4, sampling)
+    committed, correction = _after_a_rejection(context, first.token_ids, num_accepted=1)
+    session.observe(1, correction)
+    reused = session.propose(committed, 4, sampling)
+    fresh = drafter.start_session().propose(committed, 4, sampling)
+    assert reused.token_ids == fresh.token_ids
+
+
+def test_a_reused_cache_proposes_the_same_distributions(drafter, context):
+    sampling = SamplingConfig(temperature=1.0, seed=11)
+    session = drafter.start_session()
+    first = session.propose(context, 4, sampling)
+    committed, correction = _after_a_rejection(context, first.token_ids, num_accepted=2)
+    session.observe(2, correction)
+    reused, fresh = session.propose(committed, 3, sampling), drafter.start_session().propose(committed, 3, sampling)
+    assert [row.token_ids for row in reused.probs] == [row.token_ids for row in fresh.probs]
+    assert all(torch.allclose(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-5) for a, b in zip(reused.probs, fresh.probs))
+
+
+def test_a_session_follows_a_context_it_did_not_draft(drafter, draft_model, context):
+    session = drafter.start_session()
+    session.propose(context, 4, GREEDY)
+    other = draft_model.tokenizer.encode("def add(a, b):")
+    assert session.propose(other, 4, GREEDY).token_ids == greedy_continuation(draft_model, other, 4)
+
+
+@pytest.fixture(scope="module")
+def sampled_block(drafter, context):
+    return drafter.start_session().propose(context, 6, SamplingConfig(temperature=1.0, seed=5))
+
+
+def test_sampled_distributions_sum_to_one(sampled_block):
+    assert [sum(row.probs) for row in sampled_block.probs] == pytest.approx([1.0] * 6, abs=1e-5)
+
+
+def test_sampled_distributions_keep_at_most_max_support_tokens(sampled_block):
+    assert [len(row.token_ids) <= 8 for row in sampled_block.probs] == [True] * 6
+
+
+def test_each_sampled_token_lies_inside_its_distribution(sampled_block):
+    masses = [dict(zip(row.token_ids, row.probs)).get(token_id, 0.0) for row, token_id in zip(sampled_block.probs, sampled_block.token_ids)]
+    assert all(mass > 0 for mass in masses)
+
+
+def test_top_k_bounds_the_sampled_support(drafter, context):
+    block = drafter.start_session().propose(context, 4, SamplingConfig(temperature=1.0, top_k=3, seed=5))
+    assert max(len(row.token_ids) for row in block.probs) <= 3
+
+
+def test_the_same_seed_drafts_the_same_block(drafter, context):
+    sampling = SamplingConfig(temperature=1.0, seed=21)
+    assert drafter.start_session().propose(context, 6, sampling) == drafter.start_session().propose(context, 6, sampling)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=2.0, seed=3)], ids=["greedy", "sampled"])
+def test_no_drafted_token_reaches_the_verifiers_vocabulary_limit(draft_model, context, sampling):
+    limited = ModelDrafter(draft_model, max_support=384, vocab_limit=100)
+    block = limited.start_session().propose(context, 16, sampling)
+    support = [token_id for row in block.probs or [] for token_id in row.token_ids]
+    assert max(block.token_ids + support) < 100
