@@ -11,6 +11,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -34,8 +35,15 @@ async def load_draft(settings: EdgeSettings) -> LoadedModel:
     return await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
 
 
-async def build_engine(settings: EdgeSettings, metrics: EdgeMetrics, draft_loader: DraftLoader = load_draft) -> SpeculativeEngine:
-    client = VerifierClient(settings.verifier_url, settings.client_settings())
+async def build_engine(
+    settings: EdgeSettings,
+    metrics: EdgeMetrics,
+    draft_loader: DraftLoader = load_draft,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> SpeculativeEngine:
+    """Load the draft, check the verifier, build the engine. ``transport`` replaces the HTTP
+    hop (tests run the verifier app in-process through an ASGI transport)."""
+    client = VerifierClient(settings.verifier_url, settings.client_settings(), transport=transport)
     try:
         # Load the draft while waiting for the verifier; if either fails the other is cancelled.
         async with asyncio.TaskGroup() as group:

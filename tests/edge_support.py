@@ -6,24 +6,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from edge_agent.app import build_engine
 from edge_agent.app import create_app as create_edge_app
-from edge_agent.draft_length import parse_draft_length
-from edge_agent.drafter import ModelDrafter
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
-from edge_agent.verifier_client import VerifierClient
-from servers import _wait_bound, _wait_ready
-from spade_models.loader import ModelSource, load_model
 from verifier_service.app import create_app as create_verifier_app
 from verifier_service.settings import VerifierSettings
 
@@ -38,35 +32,6 @@ def edge_app(pair, verifier_url: str, draft_length: str | int = "3", **settings)
     return create_edge_app(
         EdgeSettings(draft_model=str(pair.draft_dir), verifier_url=verifier_url, draft_length=str(draft_length), **settings)
     )
-
-
-class RestartableServer:
-    """A uvicorn server on a loopback port that a test can stop mid-request, then start again
-    (with a new app) on the same port: a verifier outage and its recovery at one URL."""
-
-    def __init__(self) -> None:
-        self.port = 0
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, app, timeout_s: float = 120.0) -> str:
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        self.port = int(_wait_bound(self._server, self._thread, timeout_s).rsplit(":", 1)[1])
-        _wait_ready(self.url + "/health", timeout_s)
-        return self.url
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=30)
-            self._server = self._thread = None
 
 
 def sse_payloads(lines) -> list[str]:
@@ -137,17 +102,8 @@ async def in_process_engine(pair, draft_length: str = "3", **verifier_settings) 
     async with verifier.router.lifespan_context(verifier):
         await asyncio.wait_for(_loaded(verifier), timeout=120)
         transport = RecordingTransport(verifier)
-        client = VerifierClient("http://verifier", transport=transport)
-        health = await client.health()
-        draft = load_model(ModelSource(str(pair.draft_dir)))
-        engine = SpeculativeEngine(
-            ModelDrafter(draft, vocab_limit=health.vocab_size),
-            draft.tokenizer,
-            client,
-            TargetDescription.from_health(health),
-            parse_draft_length(draft_length, 16),
-            EdgeMetrics(),
-        )
+        settings = EdgeSettings(draft_model=str(pair.draft_dir), verifier_url="http://verifier", draft_length=draft_length)
+        engine = await build_engine(settings, EdgeMetrics(), transport=transport)
         try:
             yield InProcessStack(engine, verifier, transport)
         finally:

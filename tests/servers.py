@@ -12,24 +12,49 @@ import httpx
 import uvicorn
 
 
+class LoopbackServer:
+    """A uvicorn server on 127.0.0.1 that a test can stop mid-request, then start again (with a
+    new app) on the same port: an outage and its recovery at one URL."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, app, ready_path: str | None = "/health", timeout_s: float = 120.0) -> str:
+        """Serve ``app`` (on a free port the first time) and return the base URL once
+        ``ready_path`` answers 200 (or once the socket is bound, with ready_path None)."""
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        self.port = _wait_bound(self._server, self._thread, timeout_s)
+        if ready_path:
+            _wait_ready(self.url + ready_path, timeout_s)
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=30)
+            self._server = self._thread = None
+
+
 @contextlib.contextmanager
 def serve(app, ready_path: str | None = "/health", timeout_s: float = 120.0) -> Iterator[str]:
-    """Run ``app`` on 127.0.0.1 (a free port) and yield its base URL once ``ready_path`` answers
-    200 (or once the socket is bound, with ready_path None)."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    """Run ``app`` on a free loopback port for the duration of the block; yield its base URL."""
+    server = LoopbackServer()
     try:
-        base_url = _wait_bound(server, thread, timeout_s)
-        if ready_path:
-            _wait_ready(base_url + ready_path, timeout_s)
-        yield base_url
+        yield server.start(app, ready_path, timeout_s)
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        server.stop()
 
 
-def _wait_bound(server: uvicorn.Server, thread: threading.Thread, timeout_s: float) -> str:
+def _wait_bound(server: uvicorn.Server, thread: threading.Thread, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while not (server.started and server.servers):
         if not thread.is_alive():
@@ -37,8 +62,7 @@ def _wait_bound(server: uvicorn.Server, thread: threading.Thread, timeout_s: flo
         if time.monotonic() > deadline:
             raise TimeoutError("server did not start")
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return server.servers[0].sockets[0].getsockname()[1]
 
 
 def _wait_ready(url: str, timeout_s: float) -> None:

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from edge_support import DONE, RestartableServer, edge_app, in_process_engine, metric_value, verifier_app, wait_until
+from edge_support import DONE, edge_app, in_process_engine, metric_value, verifier_app, wait_until
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
 from gateway.sampling import SamplingConfig
-from servers import serve
+from servers import LoopbackServer, serve
 
 MODEL = "target"
 PROMPTS = ["The edge drafts", "def add(a, b):"]
@@ -130,7 +130,7 @@ class Outage:
     text_once_back: str
 
 
-def _read_past_the_outage(edge_url: str, verifier: RestartableServer) -> list[str]:
+def _read_past_the_outage(edge_url: str, verifier: LoopbackServer) -> list[str]:
     """Stream a long greedy completion, stop the verifier after the first chunk, read the rest."""
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": True}
     payloads = []
@@ -154,7 +154,7 @@ def _openai_stream_error(edge_url: str) -> openai.APIError | None:
 
 @pytest.fixture(scope="module")
 def outage(tiny_pair) -> Outage:
-    verifier = RestartableServer()
+    verifier = LoopbackServer()
     verifier_url = verifier.start(verifier_app(tiny_pair))
     try:
         # A short open circuit: after the outage the edge tries the verifier again soon.
