@@ -5,7 +5,11 @@ description, its default whatever the environment (SPADE_*_MAX_DRAFT_TOKENS) or 
 from __future__ import annotations
 
 import argparse
+import logging
+from collections.abc import Callable
 
+import torch
+import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
@@ -32,3 +36,14 @@ def settings_from_arguments(parser: argparse.ArgumentParser, arguments: argparse
     except ValidationError as error:
         problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in error.errors())
         parser.error(problems)
+
+
+def run_service(prog: str, description: str, settings_class: type[BaseSettings], create_app: Callable, argv: list[str] | None) -> None:
+    """Parse flags into settings, set up logging and torch threads, serve the app."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_settings_arguments(parser, settings_class)
+    settings = settings_from_arguments(parser, parser.parse_args(argv), settings_class)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
