@@ -37,6 +37,8 @@ class TokenCache:
 
 def common_prefix_length(first: list[int], second: list[int]) -> int:
     length = min(len(first), len(second))
+    if first[:length] == second[:length]:  # the usual case, compared at C speed
+        return length
     for index in range(length):
         if first[index] != second[index]:
             return index
