@@ -29,6 +29,9 @@ class VerifierSettings(BaseSettings):
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
     max_session_tokens: int = Field(2_000_000, ge=1, description="Committed tokens kept over all sessions.")
     session_ttl_s: float = Field(600.0, gt=0, description="Idle seconds before a session is dropped.")
+    vllm_block_size: int = Field(32, ge=1, description="--backend vllm: KV block size (CPU attention needs a multiple of 32).")
+    vllm_kv_cache_gib: float = Field(1.0, gt=0, description="--backend vllm: KV cache size in GiB (must hold the model's context length).")
+    vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field("sample_match", description="--backend vllm, temperature > 0: vLLM samples each position and drafts are matched (sample_match), or full-vocabulary logprobs feed the acceptance rule (full_logprobs, heavy).")
     log_level: str = Field("info", description="Logging level.")
 
     def session_limits(self) -> SessionLimits:

