@@ -1,0 +1,111 @@
+"""One measured request: what was asked, what came back, and what it cost where.
+
+Glossary (per request, i.e. one turn of one conversation = one sequence):
+    completion_tokens     tokens the user received
+    verify_calls          edge -> verifier calls (for target-only: the target's forward passes)
+    target_passes         the target's forward passes, read from the verifier's /metrics
+    target_tokens         tokens through those passes, prompt and rejected drafts included
+    drafted / accepted    drafted tokens sent for verification / kept by the target
+    verifier_cpu_s        CPU seconds the verifier process spent (its own process accounting)
+    edge_cpu_s            CPU seconds of the edge process (for draft-only: the draft server)
+    bytes_up / bytes_down bytes on the emulated link, edge -> cloud / cloud -> edge
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One mode at one setting: every request of a phase runs under the same conditions."""
+
+    mode: str
+    draft_length: str | None = None
+    rtt_ms: float | None = None
+    """None when the mode does not cross the link (draft-only runs on the edge)."""
+
+    @property
+    def label(self) -> str:
+        """``target``, ``spade-k4``, ``spade-auto``, ``draft``."""
+        if self.draft_length is None:
+            return self.mode
+        return f"{self.mode}-k{self.draft_length}" if self.draft_length.isdigit() else f"{self.mode}-{self.draft_length}"
+
+
+@dataclass(frozen=True)
+class SpadeCounts:
+    """The ``spade`` object of a response's usage (zeros where a field is missing)."""
+
+    verify_calls: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    target_tokens: int = 0
+    resyncs: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    verifier_forward_ms: float = 0.0
+
+    @classmethod
+    def from_payload(cls, payload: dict | None) -> "SpadeCounts | None":
+        if payload is None:
+            return None
+        known = {field.name for field in fields(cls)}
+        return cls(**{key: value for key, value in payload.items() if key in known})
+
+
+@dataclass
+class RequestRecord:
+    """Everything measured for one request; serialised as one JSON object."""
+
+    dataset: str
+    item_id: str
+    category: str
+    turn: int
+    mode: str
+    label: str
+    draft_length: str | None
+    rtt_ms: float | None
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+    completion_tokens: int
+    wall_s: float
+    ttft_s: float | None
+    verify_calls: int | None = None
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
+    target_tokens: int | None = None
+    resyncs: int | None = None
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    verifier_forward_ms: float | None = None
+    target_passes: int | None = None
+    verifier_cpu_s: float | None = None
+    edge_cpu_s: float | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    load_1m: float | None = None
+    """The machine's 1-minute load average when the request ended: above the core count, other
+    work competed with the pinned services and the timings are pessimistic."""
+    identical_to_target: bool | None = None
+    rouge1: float | None = None
+    rouge2: float | None = None
+    rougeL: float | None = None
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        """Which prompt this answers, across modes: (dataset, item, turn)."""
+        return (self.dataset, self.item_id, self.turn)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"tokens_per_s": self.tokens_per_s}
+
+    @classmethod
+    def from_dict(cls, payload: dict) -> "RequestRecord":
+        known = {field.name for field in fields(cls)}
+        return cls(**{key: value for key, value in payload.items() if key in known})
