@@ -17,8 +17,7 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard
 from gateway.serving import (
     PreparedRequest,
     TextGeneration,
-    chat_response,
-    completion_response,
+    complete_response,
     prepare_chat,
     prepare_completion,
     stream_events,
@@ -62,6 +61,4 @@ async def _respond(engine: GenerationEngine, prepared: PreparedRequest):
     generation = TextGeneration(engine, prepared)
     if prepared.stream:
         return EventSourceResponse(stream_events(generation), ping=15)
-    if prepared.kind == "chat":
-        return await chat_response(generation)
-    return await completion_response(generation)
+    return await complete_response(generation)

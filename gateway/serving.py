@@ -162,31 +162,21 @@ class TextGeneration:
                     yield token_id
 
 
-async def full_text(generation: TextGeneration) -> str:
-    return "".join([delta async for delta in generation.deltas()])
-
-
-async def chat_response(generation: TextGeneration) -> ChatCompletionResponse:
-    text = await full_text(generation)
+async def complete_response(generation: TextGeneration) -> ChatCompletionResponse | CompletionResponse:
+    """The non-streamed body: the whole text, for a chat or a text completion."""
+    text = "".join([delta async for delta in generation.deltas()])
     identity = generation.prepared.identity
-    return ChatCompletionResponse(
+    finish_reason = generation.finish_reason
+    if generation.prepared.kind == "chat":
+        response_class = ChatCompletionResponse
+        choice = ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish_reason)
+    else:
+        response_class, choice = CompletionResponse, CompletionChoice(text=text, finish_reason=finish_reason)
+    return response_class(
         id=identity.id,
         created=identity.created,
         model=identity.model,
-        choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=generation.finish_reason)],
-        usage=generation.usage,
-        spade=generation.stats,
-    )
-
-
-async def completion_response(generation: TextGeneration) -> CompletionResponse:
-    text = await full_text(generation)
-    identity = generation.prepared.identity
-    return CompletionResponse(
-        id=identity.id,
-        created=identity.created,
-        model=identity.model,
-        choices=[CompletionChoice(text=text, finish_reason=generation.finish_reason)],
+        choices=[choice],
         usage=generation.usage,
         spade=generation.stats,
     )

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
@@ -58,17 +57,6 @@ def metric_value(base_url: str, sample_name: str) -> float:
             if sample.name == sample_name:
                 return sample.value
     raise KeyError(f"{sample_name} not in {base_url}/metrics")
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
-    """Poll ``condition`` until it holds or ``timeout_s`` passes (a bound on waiting, not a speed
-    requirement); returns its last value."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return condition()
-        time.sleep(interval_s)
-    return True
 
 
 class RecordingTransport(httpx.ASGITransport):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -73,3 +73,14 @@ def _wait_ready(url: str, timeout_s: float) -> None:
                 return
         time.sleep(0.05)
     raise TimeoutError(f"{url} never answered 200")
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0, interval_s: float = 0.02) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passes (a bound on waiting, not a speed
+    requirement); returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return condition()
+        time.sleep(interval_s)
+    return True

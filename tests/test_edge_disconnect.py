@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from edge_support import edge_app, metric_value, verifier_app, wait_until
-from servers import serve
+from edge_support import edge_app, metric_value, verifier_app
+from servers import serve, wait_until
 from verifier_service.app import create_app as create_verifier_app
 from verifier_service.backends import create_backend
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from edge_support import DONE, edge_app, in_process_engine, metric_value, verifier_app, wait_until
+from edge_support import DONE, edge_app, in_process_engine, metric_value, verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
 from gateway.sampling import SamplingConfig
-from servers import LoopbackServer, serve
+from servers import LoopbackServer, serve, wait_until
 
 MODEL = "target"
 PROMPTS = ["The edge drafts", "def add(a, b):"]

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from verifier_service.app import create_app
 from verifier_service.backends import create_backend
 from verifier_service.settings import VerifierSettings
+from servers import wait_until
 from verifier_support import (
     ENVELOPE_KEYS,
     MAX_CONTEXT,
@@ -36,7 +37,6 @@ from verifier_support import (
     verifier_app,
     verify,
     verify_body,
-    wait_until,
 )
 
 

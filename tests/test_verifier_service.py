@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servers import serve
+from servers import serve, wait_until
 from verifier_service.protocol import SESSION_RESYNC_CODE
 from verifier_support import (
     ENVELOPE_KEYS,
@@ -36,7 +36,6 @@ from verifier_support import (
     verifier_app,
     verify,
     verify_body,
-    wait_until,
 )
 
 

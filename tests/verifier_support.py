@@ -7,15 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 import random
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 import torch
 from fastapi.testclient import TestClient
 
+from servers import wait_until
 from verifier_service.app import create_app
 from verifier_service.protocol import context_digest
 from verifier_service.settings import VerifierSettings
@@ -96,17 +95,6 @@ def committed_after(context: list[int], draft_tokens: list[int], answer: dict) -
 def sse_payloads(lines) -> list[str]:
     """The ``data:`` payloads of an SSE stream, in order (comments and blank lines dropped)."""
     return [line.removeprefix("data:").strip() for line in lines if line.startswith("data:")]
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0, interval_s: float = 0.02) -> bool:
-    """Poll ``condition`` until it holds or ``timeout_s`` passes (a bound on waiting, not a speed
-    requirement); returns its last value."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return condition()
-        time.sleep(interval_s)
-    return True
 
 
 # --- a verifier on the tiny target, and the edge's side of a session -------------------------

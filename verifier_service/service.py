@@ -49,8 +49,9 @@ class VerifierService:
         received_at = time.perf_counter()
         draft_probs = self.validate(request)
         session = self._session_for(request)
+        fingerprint = request.fingerprint()
         async with session.lock:
-            if session.last_fingerprint == request.fingerprint() and session.last_response is not None:
+            if session.last_fingerprint == fingerprint and session.last_response is not None:
                 self.metrics.replayed_calls.inc()
                 return session.last_response.model_copy(update={"replayed": True})
             self._check_prefix(session, request)
@@ -59,7 +60,7 @@ class VerifierService:
             verdict = await self.backend.verify_block(block)
             response = self._response(request, len(context), verdict, received_at)
             emitted = request.draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
-            session.commit(context + emitted, request.fingerprint(), response)
+            session.commit(context + emitted, fingerprint, response)
         self.metrics.observe_verify(len(request.draft_tokens), verdict)
         self._evict(keep=request.session_id)
         return response
