@@ -15,24 +15,27 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
 from edge_agent.draft_length import parse_draft_length
-from edge_agent.drafter import ModelDrafter
 from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.health import VerifierProbe, health_status
+from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
 from edge_agent.verifier_client import VerifierClient, check_tokenizer
 from gateway.errors import install_error_handlers
+from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
-from spade_models.loader import LoadedModel, ModelSource, load_model, tokenizer_fingerprint
+from spade_models.loader import LoadedModel, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
-DraftLoader = Callable[[EdgeSettings], Awaitable[LoadedModel]]
+DraftLoader = Callable[[EdgeSettings], Awaitable[LoadedModel | LlamaCppDraftModel]]
 
 
-async def load_draft(settings: EdgeSettings) -> LoadedModel:
-    source = ModelSource(settings.draft_model, settings.gguf_file)
-    return await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
+async def load_draft(settings: EdgeSettings) -> LoadedModel | LlamaCppDraftModel:
+    """The draft, opened by the runtime --draft-backend picks (llama.cpp or transformers)."""
+    return await asyncio.to_thread(load_draft_model, settings)
 
 
 async def build_engine(
@@ -51,41 +54,50 @@ async def build_engine(
             waiting = group.create_task(client.wait_until_ready(settings.startup_timeout_s))
         draft, health = loading.result(), waiting.result()
         check_tokenizer(health, tokenizer_fingerprint(draft.tokenizer))
+        # Within the verifier's limits (vocabulary, distribution width, context); a llama.cpp
+        # context is allocated here, which takes a second or two for a long one.
+        drafter = await asyncio.to_thread(build_drafter, draft, settings, health)
     except BaseExceptionGroup as group_error:
         await client.aclose()
         raise group_error.exceptions[0] from None
     except BaseException:
         await client.aclose()
         raise
-    # The verifier refuses distributions wider than its limit: draft within both.
-    max_support = min(settings.max_draft_support, health.max_draft_support)
-    drafter = ModelDrafter(draft, max_support=max_support, vocab_limit=health.vocab_size)
-    draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length)
+    draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length, settings.overlap)
     logger.info(
-        "edge ready: drafting with %s for %s at %s (draft length %s)",
-        draft.model_id, health.model, settings.verifier_url, settings.draft_length,
+        "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
+        draft.model_id, draft_backend_name(draft), health.model, settings.verifier_url, settings.draft_length,
     )
     target = TargetDescription.from_health(health)
-    return SpeculativeEngine(drafter, draft.tokenizer, client, target, draft_length, metrics, settings.fallback == "draft")
+    return SpeculativeEngine(drafter, draft.tokenizer, client, target, draft_length, metrics, settings.fallback == "draft", settings.overlap)
 
 
 def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -> FastAPI:
     """Start-up completes only once the draft is loaded and the verifier is checked, so a
     mismatched or unreachable verifier stops the service instead of serving errors."""
 
+    async def loading_and_recording_backend(draft_settings: EdgeSettings) -> LoadedModel | LlamaCppDraftModel:
+        draft = await draft_loader(draft_settings)
+        app.state.draft_backend = draft_backend_name(draft)
+        return draft
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.engine = await build_engine(settings, app.state.metrics, draft_loader)
+        app.state.engine = await build_engine(settings, app.state.metrics, loading_and_recording_backend)
+        app.state.probe = VerifierProbe(VerifierClient(settings.verifier_url, settings.client_settings()))
         try:
             yield
         finally:
+            await app.state.probe.aclose()
             await app.state.engine.aclose()
 
     app = FastAPI(title="SPADE edge agent", lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = EdgeMetrics()
     app.state.engine = None
+    app.state.draft_backend = None
     install_error_handlers(app)
+    install_guards(app, settings, settings.host, default_trusted_hosts(settings.host, settings.trusted_hosts))
     app.include_router(build_openai_router())
 
     @app.get("/health")
@@ -93,14 +105,18 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
         engine: SpeculativeEngine | None = request.app.state.engine
         if engine is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({
-            "status": "ok",
-            "verifier": "ok" if engine.verifier_reachable else "unreachable",
+        verifier_ok = engine.verifier_reachable and await request.app.state.probe.is_ok()
+        status, status_code = health_status(verifier_ok, settings.fallback)
+        return JSONResponse(status_code=status_code, content={
+            "status": status,
+            "verifier": "ok" if verifier_ok else "unreachable",
             "fallback": settings.fallback,
             "model": engine.model_id,
             "draft_model": settings.draft_model,
+            "draft_backend": request.app.state.draft_backend,
             "verifier_url": settings.verifier_url,
             "draft_length": settings.draft_length,
+            "overlap": settings.overlap,
         })
 
     return app

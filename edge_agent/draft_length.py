@@ -1,33 +1,123 @@
-"""How many tokens to draft per verify call: fixed, or adapted to acceptance and round trip.
+"""How many tokens to draft per verify call: fixed, or chosen for speed.
 
-The adaptive rule picks the block length d that maximises expected tokens per second. With a
-per-token acceptance rate a, a block of d drafted tokens yields on average
-    E[tokens](d) = (1 - a^(d+1)) / (1 - a)        (accepted drafts + the next token)
-and costs d * t_draft (drafting one token) + t_verify (round trip + the target's forward).
-Example, a = 0.8 and t_draft = 20 ms: t_verify = 100 ms -> best d = 4 (3.36 tokens per 180 ms);
-t_verify = 300 ms -> d = 7 (4.16 tokens per 440 ms); t_verify = 10 ms -> d = 1. Long round trips
-favour long blocks; poor acceptance and slow drafting favour short ones.
+The adaptive rule picks, before each block, the length d that maximises expected tokens per
+second of wall time:
 
-a, t_draft and t_verify are exponential moving averages of what the edge measures.
+    E(a, d) = (1 - a^(d+1)) / (1 - a)          tokens one block yields (accepted drafts + next)
+    cycle(d) = exposed_draft(d) + t_link + t_verify(d)
+    d* = argmax_d E(a, d) / cycle(d),  1 <= d <= max_length
+
+a is the per-token acceptance rate, estimated online per request from a prior that carries over
+from earlier requests; t_link is the round trip minus the verifier's own time; t_verify(d) is the
+verifier's time for a block of d, learned per length and interpolated by a line (on a CPU a
+longer block costs more, on a GPU almost nothing more). Without overlap the drafting is exposed:
+exposed_draft(d) = d * t_draft. With overlap the edge drafts the next block while this one is
+verified; that work is used only when the whole block is accepted and the target's next token
+is the draft's own guess (probability about a^(d+1)), and then only its part longer than the
+round trip is exposed:
+
+    exposed_draft(d) = h * max(0, (d + 1) * t_draft - t_link - t_verify(d)) + (1 - h) * d * t_draft,
+    h = a^(d+1).
+
+Worked example (no overlap), a = 0.8, t_draft = 20 ms, t_verify flat: t_link + t_verify = 100 ms
+-> d = 4 (3.36 tokens per 180 ms); 300 ms -> d = 7 (4.16 tokens per 440 ms); 10 ms -> d = 1.
+Long round trips favour long blocks; poor acceptance and slow drafting favour short ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DEFAULT_RELATIVE_SLOPE = 0.1
+"""Before two block lengths have been timed, each drafted token is assumed to add this fraction
+of a one-token verify (about what a 2-core CPU shows for the 1.5B target: 9 tokens ~ 1.8x)."""
+MAX_POINT_WEIGHT = 20
+"""A block length's weight in the line fit stops growing after this many observations."""
+
 
 def expected_tokens(acceptance_rate: float, num_drafted: int) -> float:
+    """Tokens one block of ``num_drafted`` yields on average: accepted drafts + the next token."""
     if acceptance_rate >= 1.0:
         return num_drafted + 1.0
     return (1.0 - acceptance_rate ** (num_drafted + 1)) / (1.0 - acceptance_rate)
 
 
-def best_draft_length(acceptance_rate: float, draft_s: float, verify_s: float, max_length: int) -> int:
-    """argmax over d in [1, max_length] of expected tokens per second of one block."""
-    def rate(num_drafted: int) -> float:
-        return expected_tokens(acceptance_rate, num_drafted) / (num_drafted * draft_s + verify_s)
+def overlap_hit_probability(acceptance_rate: float, num_drafted: int) -> float:
+    """Chance that the block drafted ahead is usable: all drafts accepted and the guess right."""
+    return acceptance_rate ** (num_drafted + 1)
 
-    return max(range(1, max_length + 1), key=rate)
+
+def exposed_draft_s(num_drafted: int, acceptance_rate: float, draft_s_per_token: float, round_trip_s: float, overlap: bool) -> float:
+    """Drafting time the user waits for, per block (see the module docstring)."""
+    drafting_s = num_drafted * draft_s_per_token
+    if not overlap:
+        return drafting_s
+    hit = overlap_hit_probability(acceptance_rate, num_drafted)
+    ahead_s = (num_drafted + 1) * draft_s_per_token
+    return hit * max(0.0, ahead_s - round_trip_s) + (1.0 - hit) * drafting_s
+
+
+def tokens_per_s(num_drafted: int, acceptance_rate: float, draft_s_per_token: float, link_s: float, verify_s: float, overlap: bool) -> float:
+    """Expected tokens per second of blocks of ``num_drafted`` (``verify_s`` is t_verify(d))."""
+    round_trip_s = link_s + verify_s
+    cycle_s = exposed_draft_s(num_drafted, acceptance_rate, draft_s_per_token, round_trip_s, overlap) + round_trip_s
+    return expected_tokens(acceptance_rate, num_drafted) / max(cycle_s, 1e-9)
+
+
+@dataclass
+class VerifyTimeCurve:
+    """t_verify(d): the verifier's time for a block of d drafted tokens, learned per length
+    (moving averages) and read off a weighted least-squares line through them."""
+
+    prior_s: float = 0.05
+    """t_verify(1) until something is measured."""
+    smoothing: float = 0.2
+    points: dict[int, tuple[float, int]] = field(default_factory=dict)
+    """block length -> (moving average of its seconds, observations)."""
+
+    def observe(self, num_drafted: int, seconds: float) -> None:
+        average, count = self.points.get(num_drafted, (seconds, 0))
+        self.points[num_drafted] = ((1 - self.smoothing) * average + self.smoothing * seconds, count + 1)
+
+    def seconds(self, num_drafted: int) -> float:
+        intercept, slope = self.line()
+        return max(0.0, intercept + slope * num_drafted)
+
+    def line(self) -> tuple[float, float]:
+        """(intercept, slope) of t_verify(d) = intercept + slope * d."""
+        if not self.points:
+            return self._through(1, self.prior_s)
+        if len(self.points) == 1:
+            (length, (average, _)), = self.points.items()
+            return self._through(length, average)
+        weights = {length: min(count, MAX_POINT_WEIGHT) for length, (_, count) in self.points.items()}
+        total = sum(weights.values())
+        mean_d = sum(weight * length for length, weight in weights.items()) / total
+        mean_t = sum(weights[length] * average for length, (average, _) in self.points.items()) / total
+        spread = sum(weight * (length - mean_d) ** 2 for length, weight in weights.items())
+        covariance = sum(weights[length] * (length - mean_d) * (average - mean_t) for length, (average, _) in self.points.items())
+        slope = max(0.0, covariance / spread)  # a longer block never costs less
+        return mean_t - slope * mean_d, slope
+
+    @staticmethod
+    def _through(length: int, seconds: float) -> tuple[float, float]:
+        """A line through one point with the default relative slope: t(d) = t(1) * (1 + s (d - 1))."""
+        one_token_s = seconds / (1 + DEFAULT_RELATIVE_SLOPE * (length - 1))
+        slope = DEFAULT_RELATIVE_SLOPE * one_token_s
+        return one_token_s - slope, slope
+
+
+@dataclass(frozen=True)
+class BlockOutcome:
+    """What one verified block taught: acceptance and the three times of the speed model."""
+
+    num_drafted: int
+    num_accepted: int
+    draft_s_per_token: float | None
+    """Measured drafting time per token (None when nothing was drafted for this block)."""
+    round_trip_s: float
+    verifier_s: float
+    """The verifier's own time for the call (its ``timings.total_ms``): round trip - link."""
 
 
 @dataclass
@@ -38,58 +128,115 @@ class FixedDraftLength:
         if self.length < 1:
             raise ValueError(f"draft length must be >= 1, got {self.length}")
 
+    def for_request(self) -> "FixedDraftLength":
+        return self
+
     def next_length(self) -> int:
         return self.length
 
-    def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, outcome: BlockOutcome) -> None:
         """A fixed length learns nothing."""
 
 
 @dataclass
 class AdaptiveDraftLength:
-    """Chooses the block length from running estimates; starts from a neutral prior."""
+    """The service-wide state of the adaptive rule: timings (a property of the machines and the
+    link, shared by all requests) and the acceptance prior a new request starts from."""
 
     max_length: int = 16
+    overlap: bool = False
+    """Whether the engine drafts ahead while a block is verified (changes the cost model)."""
     smoothing: float = 0.2
-    """Weight of the newest observation in the moving averages."""
-    acceptance_rate: float = 0.7
-    """Per-token acceptance estimate: accepted_per_block / trials_per_block."""
+    """Weight of the newest observation in a request's moving averages."""
+    prior_smoothing: float = 0.05
+    """Weight of each block in the acceptance prior carried across requests."""
+    prior_trials: float = 2.0
+    """How many blocks' worth of trials the prior counts for in a new request's estimate."""
+    initial_acceptance: float = 0.7
+    """The acceptance prior before any block was verified."""
     draft_s_per_token: float = 0.02
-    verify_s: float = 0.05
-    accepted_per_block: float = field(init=False)
-    trials_per_block: float = field(init=False)
+    link_s: float = 0.005
+    verify_curve: VerifyTimeCurve = field(default_factory=VerifyTimeCurve)
+    prior_accepted: float = field(init=False)
+    prior_trials_per_block: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.max_length < 1 or not 0 < self.smoothing <= 1:
-            raise ValueError("max_length must be >= 1 and smoothing in (0, 1]")
-        # The prior counts as one trial at the prior rate.
-        self.accepted_per_block, self.trials_per_block = self.acceptance_rate, 1.0
+        if self.max_length < 1 or not 0 < self.smoothing <= 1 or not 0 < self.prior_smoothing <= 1:
+            raise ValueError("max_length must be >= 1 and smoothing, prior_smoothing in (0, 1]")
+        if not 0 <= self.initial_acceptance < 1:
+            raise ValueError("initial_acceptance must be in [0, 1)")
+        self.prior_accepted, self.prior_trials_per_block = self.initial_acceptance, 1.0
 
-    def next_length(self) -> int:
-        return best_draft_length(self.acceptance_rate, self.draft_s_per_token, self.verify_s, self.max_length)
+    @property
+    def acceptance_prior(self) -> float:
+        """Accepted / trials over recent blocks of all requests (ratio of moving averages)."""
+        return self.prior_accepted / self.prior_trials_per_block
 
-    def observe(self, num_drafted: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
-        if num_drafted < 1:
-            return
-        # Each drafted token up to the first rejection is one trial of rate a (all accepted: d
-        # trials). The estimate is the ratio of the averages, accepted / trials, which converges
-        # to a; the average of the per-block ratios k / (k + 1) does not (it reads a = 0.8 as
-        # about 0.6 with blocks of 16, and so picks blocks too short).
-        trials = num_accepted + (0 if num_accepted == num_drafted else 1)
-        self.accepted_per_block = self._blend(self.accepted_per_block, num_accepted)
-        self.trials_per_block = self._blend(self.trials_per_block, trials)
-        self.acceptance_rate = min(0.99, self.accepted_per_block / self.trials_per_block)
-        self.draft_s_per_token = self._blend(self.draft_s_per_token, draft_s / num_drafted)
-        self.verify_s = self._blend(self.verify_s, verify_s)
+    def for_request(self) -> "RequestDraftLength":
+        return RequestDraftLength(self)
+
+    def best_length(self, acceptance_rate: float) -> int:
+        """argmax over d in [1, max_length] of expected tokens per second."""
+        def rate(num_drafted: int) -> float:
+            verify_s = self.verify_curve.seconds(num_drafted)
+            return tokens_per_s(num_drafted, acceptance_rate, self.draft_s_per_token, self.link_s, verify_s, self.overlap)
+
+        return max(range(1, self.max_length + 1), key=rate)
+
+    def observe_times(self, outcome: BlockOutcome) -> None:
+        if outcome.draft_s_per_token is not None:
+            self.draft_s_per_token = self._blend(self.draft_s_per_token, outcome.draft_s_per_token)
+        self.link_s = self._blend(self.link_s, max(0.0, outcome.round_trip_s - outcome.verifier_s))
+        self.verify_curve.observe(outcome.num_drafted, outcome.verifier_s)
+
+    def observe_acceptance(self, num_accepted: int, trials: int) -> None:
+        weight = self.prior_smoothing
+        self.prior_accepted = (1 - weight) * self.prior_accepted + weight * num_accepted
+        self.prior_trials_per_block = (1 - weight) * self.prior_trials_per_block + weight * trials
 
     def _blend(self, old: float, new: float) -> float:
         return (1 - self.smoothing) * old + self.smoothing * new
 
 
-def parse_draft_length(value: str | int, max_length: int) -> FixedDraftLength | AdaptiveDraftLength:
+@dataclass
+class RequestDraftLength:
+    """One request's controller: its own acceptance estimate, started from the shared prior."""
+
+    shared: AdaptiveDraftLength
+    accepted_per_block: float = field(init=False)
+    trials_per_block: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The prior counts as prior_trials trials at the prior rate.
+        self.trials_per_block = self.shared.prior_trials
+        self.accepted_per_block = self.shared.acceptance_prior * self.shared.prior_trials
+
+    @property
+    def acceptance_rate(self) -> float:
+        return min(0.99, self.accepted_per_block / self.trials_per_block)
+
+    def next_length(self) -> int:
+        return self.shared.best_length(self.acceptance_rate)
+
+    def observe(self, outcome: BlockOutcome) -> None:
+        if outcome.num_drafted < 1:
+            return
+        # Each drafted token up to the first rejection is one trial of rate a (all accepted: d
+        # trials). The estimate is the ratio of the averages, accepted / trials, which converges
+        # to a; the average of the per-block ratios k / (k + 1) does not (it reads a = 0.8 as
+        # about 0.6 with blocks of 16, and so picks blocks too short).
+        trials = outcome.num_accepted + (0 if outcome.num_accepted == outcome.num_drafted else 1)
+        smoothing = self.shared.smoothing
+        self.accepted_per_block = (1 - smoothing) * self.accepted_per_block + smoothing * outcome.num_accepted
+        self.trials_per_block = (1 - smoothing) * self.trials_per_block + smoothing * trials
+        self.shared.observe_acceptance(outcome.num_accepted, trials)
+        self.shared.observe_times(outcome)
+
+
+def parse_draft_length(value: str | int, max_length: int, overlap: bool = False) -> FixedDraftLength | AdaptiveDraftLength:
     """``"auto"`` -> adaptive (up to max_length), an integer -> fixed."""
     if str(value).strip().lower() == "auto":
-        return AdaptiveDraftLength(max_length=max_length)
+        return AdaptiveDraftLength(max_length=max_length, overlap=overlap)
     try:
         return FixedDraftLength(int(value))
     except ValueError:

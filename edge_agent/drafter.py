@@ -117,7 +117,13 @@ class ModelDraftSession:
     def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, uniform: float) -> tuple[int, SparseDistribution | None]:
         if sampling.is_greedy:
             return int(logits.argmax()), None
-        support_ids, support_probs = truncate_to_top_n(processed_probs(logits, sampling), self.drafter.max_support)
-        index = sample_from(support_probs.cpu(), uniform)
-        distribution = SparseDistribution(token_ids=support_ids.tolist(), probs=support_probs.tolist())
-        return int(support_ids[index]), distribution
+        return sample_draft_token(logits, sampling, uniform, self.drafter.max_support)
+
+
+def sample_draft_token(logits: torch.Tensor, sampling: SamplingConfig, uniform: float, max_support: int) -> tuple[int, SparseDistribution]:
+    """One drafted token from logits [vocab] at temperature > 0, with the distribution it was
+    drawn from: the request's transform, truncated to the ``max_support`` most likely tokens."""
+    support_ids, support_probs = truncate_to_top_n(processed_probs(logits, sampling), max_support)
+    index = sample_from(support_probs.cpu(), uniform)
+    distribution = SparseDistribution(token_ids=support_ids.tolist(), probs=support_probs.tolist())
+    return int(support_ids[index]), distribution

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from edge_agent.draft_length import AdaptiveDraftLength, FixedDraftLength
+from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
+from edge_agent.draft_length import AdaptiveDraftLength, BlockOutcome, FixedDraftLength
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifierSession
@@ -51,6 +52,7 @@ class SpeculativeEngine:
         draft_length: FixedDraftLength | AdaptiveDraftLength,
         metrics: EdgeMetrics,
         fallback_to_draft: bool = False,
+        overlap: bool = False,
     ) -> None:
         self._drafter = drafter
         self._tokenizer = tokenizer
@@ -59,6 +61,8 @@ class SpeculativeEngine:
         self._draft_length = draft_length
         self._metrics = metrics
         self._fallback_to_draft = fallback_to_draft
+        self._overlap = overlap
+        """Draft the next block while the verifier checks this one."""
         # One drafting thread: draft forwards stay off the event loop, in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 
@@ -89,26 +93,30 @@ class SpeculativeEngine:
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
         draft_session = self._drafter.start_session()
         verifier_session = self._client.open_session()
+        lengths = self._draft_length.for_request()
         context = list(request.prompt_token_ids)
         num_generated = 0
+        ahead: DraftAhead | None = None
         self._metrics.requests.inc()
         self._metrics.active_requests.inc()
         try:
             while num_generated < request.max_tokens:
-                num_drafted = self.block_length(request.max_tokens - num_generated, len(context))
-                block, draft_s = await self._draft(draft_session, context, num_drafted, request)
-                verdict = await self._verify(verifier_session, context, block, request)
+                remaining = request.max_tokens - num_generated
+                num_drafted = self.block_length(lengths.next_length(), remaining, len(context))
+                self._count_overlap(stats, ahead, context)
+                block, drafting = await self._next_block(draft_session, context, num_drafted, request, ahead)
+                ahead_limit = self._ahead_limit(lengths, remaining, len(context), num_drafted)
+                verdict, ahead = await self._verify_while_drafting_ahead(draft_session, verifier_session, context, block, request, ahead_limit, stats)
                 if verdict is None:  # verifier unreachable, serving the draft (--fallback draft)
                     emitted, logprobs = block.token_ids, [float("nan")] * len(block.token_ids)
                     stats.fallback_tokens += len(emitted)
-                    stats.draft_ms += draft_s * 1e3
+                    stats.draft_ms += drafting.exposed_s * 1e3
                 else:
-                    draft_session.observe(verdict.num_accepted, verdict.next_token)
-                    self._record(stats, verifier_session, block, verdict, draft_s)
+                    self._record(stats, lengths, verifier_session, block, verdict, drafting)
                     emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
                     logprobs = verdict.logprobs
                 context += emitted
-                kept = self.kept_tokens(emitted, request.max_tokens - num_generated, request.eos_token_ids)
+                kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
                 num_generated += kept
                 self._metrics.generated_tokens.inc(kept)
                 yield GeneratedTokens(emitted[:kept], logprobs[:kept])
@@ -119,12 +127,23 @@ class SpeculativeEngine:
             self._close_draft_session(draft_session)
             verifier_session.close()
 
-    def block_length(self, remaining: int, context_length: int) -> int:
+    def block_length(self, chosen: int, remaining: int, context_length: int) -> int:
         """The controller's choice, capped by what the budget can use (a block of d yields up
         to d + 1 tokens), the verifier's block limit and the context left (the verifier feeds
         context + block, which must fit; the next token is not fed)."""
         room = self._target.max_context_length - context_length
-        return max(1, min(self._draft_length.next_length(), remaining - 1, self._target.max_draft_tokens, room))
+        return max(1, min(chosen, remaining - 1, self._target.max_draft_tokens, room))
+
+    def _ahead_limit(self, lengths, remaining: int, context_length: int, num_drafted: int) -> int:
+        """Tokens worth drafting past the block while it is verified: the guess of the target's
+        next token, then the next block, within what the budget and the context can still use.
+        Example: 10 tokens left, a block of 4 -> at best 5 come back and 5 remain: the guess + 4."""
+        left_after_hit = remaining - (num_drafted + 1)
+        if not self._overlap or left_after_hit <= 0:
+            return 0
+        room_after_hit = self._target.max_context_length - (context_length + num_drafted + 1)
+        next_block = min(lengths.next_length(), self._target.max_draft_tokens, left_after_hit - 1, room_after_hit)
+        return 1 + max(0, next_block)
 
     @staticmethod
     def kept_tokens(emitted: list[int], remaining: int, eos_token_ids: frozenset[int]) -> int:
@@ -142,11 +161,44 @@ class SpeculativeEngine:
         except RuntimeError:
             session.close()
 
+    async def _next_block(
+        self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest, ahead: "DraftAhead | None"
+    ) -> tuple[DraftBlock, "Drafting"]:
+        """The block to verify next: what was drafted ahead for this context, completed by drafting now."""
+        reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
+        per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids else None
+        if len(reused.token_ids) == num_drafted:
+            return reused, Drafting(0.0, per_token_s)
+        rest, draft_s = await self._draft(session, context + reused.token_ids, num_drafted - len(reused.token_ids), request)
+        block = join_blocks(reused, rest)
+        return block, Drafting(draft_s, draft_s / len(rest.token_ids))
+
     async def _draft(self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest) -> tuple[DraftBlock, float]:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         block = await loop.run_in_executor(self._executor, session.propose, list(context), num_drafted, request.sampling)
         return block, time.perf_counter() - started
+
+    async def _verify_while_drafting_ahead(
+        self, draft_session: DraftSession, verifier_session: VerifierSession, context: list[int], block: DraftBlock,
+        request: GenerationRequest, ahead_limit: int, stats: SpadeStats,
+    ) -> tuple[VerifyResponse | None, "DraftAhead | None"]:
+        """Send the block; until the verdict arrives, keep drafting past it one token at a time
+        (a guess of the target's next token, then the block after it). A token in progress when
+        the verdict lands is finished (the drafting thread cannot be interrupted mid-forward)."""
+        verifying = asyncio.ensure_future(self._verify(verifier_session, context, block, request))
+        try:
+            ahead = DraftAhead(context + block.token_ids, [], None, 0.0)
+            while len(ahead.token_ids) < ahead_limit and not verifying.done():
+                drafting = asyncio.ensure_future(self._draft(draft_session, ahead.sequence, 1, request))
+                await asyncio.wait({verifying, drafting}, return_when=asyncio.FIRST_COMPLETED)
+                ahead.extend(*await drafting)
+            self._metrics.draft_ahead_tokens.inc(len(ahead.token_ids))
+            stats.draft_ahead_ms += ahead.seconds * 1e3
+            return await verifying, (ahead if ahead.token_ids else None)
+        finally:
+            if not verifying.done():  # the request was cancelled (client gone): so is its call
+                verifying.cancel()
 
     async def _verify(self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest) -> VerifyResponse | None:
         """The verdict; None when the verifier is unreachable and the edge falls back to the draft."""
@@ -159,7 +211,19 @@ class SpeculativeEngine:
             self._metrics.fallback_tokens.inc(len(block.token_ids))
             return None
 
-    def _record(self, stats: SpadeStats, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, draft_s: float) -> None:
+    def _count_overlap(self, stats: SpadeStats, ahead: "DraftAhead | None", context: list[int]) -> None:
+        """A hit: the committed context runs through the guess, so what was drafted ahead starts
+        the next block (no drafting before it can leave). A miss: it is rolled back, unused."""
+        if ahead is None:
+            return
+        if ahead.is_continued_by(context):
+            stats.overlap_hits += 1
+            self._metrics.overlap_hits.inc()
+        else:
+            stats.overlap_misses += 1
+            self._metrics.overlap_misses.inc()
+
+    def _record(self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: "Drafting") -> None:
         call = session.records[-1]
         num_drafted = len(block.token_ids)
         stats.verify_calls += 1
@@ -167,10 +231,10 @@ class SpeculativeEngine:
         stats.accepted_tokens += verdict.num_accepted
         stats.target_tokens += verdict.num_target_tokens
         stats.resyncs += int(call.resynced)
-        stats.draft_ms += draft_s * 1e3
+        stats.draft_ms += drafting.exposed_s * 1e3
         stats.verify_ms += call.round_trip_s * 1e3
         stats.verifier_forward_ms += verdict.timings.forward_ms
-        self._draft_length.observe(num_drafted, verdict.num_accepted, draft_s, call.round_trip_s)
+        lengths.observe(BlockOutcome(num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verdict.timings.total_ms / 1e3))
         metrics = self._metrics
         metrics.verify_calls.inc()
         metrics.resyncs.inc(int(call.resynced))
@@ -179,7 +243,7 @@ class SpeculativeEngine:
         metrics.bytes_sent.inc(call.bytes_sent)
         metrics.bytes_received.inc(call.bytes_received)
         metrics.draft_length.observe(num_drafted)
-        metrics.draft_seconds.observe(draft_s)
+        metrics.draft_seconds.observe(drafting.exposed_s)
         metrics.verify_seconds.observe(call.round_trip_s)
         metrics.verifier_forward_seconds.observe(verdict.timings.forward_ms / 1e3)
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from edge_agent.draft_length import parse_draft_length
 from edge_agent.verifier_client import ClientSettings
+from gateway.settings import ServiceSettings
 
 
-class EdgeSettings(BaseSettings):
+class EdgeSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPADE_EDGE_", protected_namespaces=())
 
     draft_model: str = Field("qwen2.5-coder-0.5b-instruct", description="Draft model: HF id, local directory, .gguf path or spade-models name.")
@@ -21,8 +23,11 @@ class EdgeSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or mps.")
     dtype: str = Field("float32", description="float32, bfloat16 or float16.")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    threads: int | None = Field(None, ge=1, description="CPU threads of the draft model, torch's and llama.cpp's (default: torch's choice; llama.cpp half the cores, 1 to 4).")
+    draft_backend: Literal["auto", "llamacpp", "transformers"] = Field("auto", description="Runtime of the draft model: 'llamacpp' reads a GGUF draft as it is (CPU, cyllama); 'transformers' loads any checkpoint (a GGUF one dequantized); 'auto' picks llamacpp for a GGUF draft on the CPU when cyllama is installed.")
+    max_draft_sessions: int = Field(96, ge=1, le=256, description="llama.cpp draft backend: requests drafting at once (sequences of its shared KV cache, about 0.6 MB each); more are answered 429. Keep it above --max-concurrent-requests (a session closes a moment after its request ends).")
     draft_length: str = Field("5", description="Tokens drafted per verify call: a positive integer, or 'auto' to adapt to acceptance and round trip.")
+    overlap: bool = Field(True, description="Draft the next block while the verifier checks this one; the pre-drafted tokens are used only when the verdict runs through the draft's guess of the next token.")
     max_draft_length: int = Field(16, ge=1, description="Upper bound of the adaptive draft length.")
     max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
@@ -30,6 +35,9 @@ class EdgeSettings(BaseSettings):
     fallback: Literal["error", "draft"] = Field("error", description="When the verifier is unreachable: 'error' answers 503 (or an in-band stream error); 'draft' keeps serving the draft model's own tokens, unverified, counted in spade.fallback_tokens.")
     circuit_open_s: float = Field(5.0, gt=0, description="After the verifier is found unreachable, fail (or fall back) at once for this long before trying it again.")
     startup_timeout_s: float = Field(900.0, gt=0, description="How long to wait at start-up for the verifier's /health to report ok.")
+    verifier_api_key: str | None = Field(None, description="API key the edge sends to the verifier (Authorization: Bearer).")
+    verifier_api_key_file: str | None = Field(None, description="File holding the verifier API key (its first line).")
+    trusted_hosts: str | None = Field(None, description="Host headers the edge answers, comma-separated ('*' = any); default: the loopback names when listening on loopback (DNS rebinding), any otherwise.")
     log_level: str = Field("info", description="Logging level.")
 
     @field_validator("draft_length")
@@ -39,4 +47,16 @@ class EdgeSettings(BaseSettings):
         return value
 
     def client_settings(self) -> ClientSettings:
-        return ClientSettings(timeout_s=self.verify_timeout_s, retries=self.verify_retries, circuit_open_s=self.circuit_open_s)
+        return ClientSettings(
+            timeout_s=self.verify_timeout_s, retries=self.verify_retries, circuit_open_s=self.circuit_open_s,
+            api_key=self.verifier_key(),
+        )
+
+    def verifier_key(self) -> str | None:
+        """--verifier-api-key, else the first line of --verifier-api-key-file."""
+        if self.verifier_api_key:
+            return self.verifier_api_key.strip()
+        if self.verifier_api_key_file:
+            lines = [line.strip() for line in Path(self.verifier_api_key_file).read_text().splitlines()]
+            return next((line for line in lines if line), None)
+        return None

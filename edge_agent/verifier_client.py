@@ -27,6 +27,9 @@ from verifier_service.protocol import (
 logger = logging.getLogger(__name__)
 
 RETRYABLE_STATUSES = {429, 502, 503, 504}
+SESSION_HEADER = "X-Spade-Session"
+"""The session id again, as a header: a proxy in front of several verifier replicas pins each
+session to one of them without reading the body (docker/nginx/verifier-pool.conf)."""
 
 
 class VerifierProtocolError(GatewayError):
@@ -47,6 +50,8 @@ class ClientSettings:
     circuit_open_s: float = 5.0
     """After the verifier is found unreachable, calls fail at once for this long instead of
     each waiting for timeouts and retries; then the next call tries the verifier again."""
+    api_key: str | None = field(default=None, repr=False)
+    """Sent as ``Authorization: Bearer <key>`` on every call to the verifier."""
 
 
 @dataclass
@@ -64,7 +69,8 @@ class VerifierClient:
         self.base_url = base_url.rstrip("/")
         self.settings = settings
         timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport)
+        headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else None
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport, headers=headers)
         self._background: set[asyncio.Task] = set()
         self._unreachable_until = 0.0
 
@@ -76,6 +82,14 @@ class VerifierClient:
     async def health(self) -> VerifierHealth:
         response = await self._http.get("/health")
         return VerifierHealth.model_validate(response.json())
+
+    async def probe(self, timeout_s: float) -> bool:
+        """Whether the verifier answers its /health with ok within ``timeout_s``."""
+        try:
+            response = await self._http.get("/health", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
 
     async def wait_until_ready(self, timeout_s: float) -> VerifierHealth:
         """Poll /health until the verifier reports ok (it may still be loading its model)."""
@@ -104,7 +118,7 @@ class VerifierClient:
 
     async def _end_session(self, session_id: str) -> None:
         try:
-            await self._http.delete(f"/v1/sessions/{session_id}")
+            await self._http.delete(f"/v1/sessions/{session_id}", headers={SESSION_HEADER: session_id})
         except httpx.HTTPError as error:  # the verifier's TTL frees it anyway
             logger.debug("ending session %s failed: %s", session_id, error)
 
@@ -113,9 +127,10 @@ class VerifierClient:
         if not self.is_reachable:
             raise ServiceUnavailableError(f"the verifier at {self.base_url} is unreachable (retrying shortly)", code="verifier_unavailable")
         body = request.model_dump_json(exclude_none=True).encode()
+        headers = {"content-type": "application/json", SESSION_HEADER: request.session_id}
         for attempt in range(self.settings.retries + 1):
             try:
-                response = await self._http.post("/v1/verify", content=body, headers={"content-type": "application/json"})
+                response = await self._http.post("/v1/verify", content=body, headers=headers)
             except httpx.TransportError as error:
                 failure = f"{type(error).__name__}: {error}"
             else:

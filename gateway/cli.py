@@ -13,6 +13,9 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+from gateway.lifecycle import SHUTDOWN_MARGIN_S, DrainingServer
+from gateway.security import check_exposure
+
 
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
     env_prefix = settings_class.model_config.get("env_prefix", "")
@@ -20,11 +23,14 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         flag = "--" + name.replace("_", "-")
         env_name = f"{env_prefix}{name}".upper()
         default = "(none)" if field.default is None else field.default
+        # A bool setting given alone is true (--allow-no-auth); a value still works (--overlap false).
+        switch = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         parser.add_argument(
             flag,
             dest=name,
             default=argparse.SUPPRESS,
             help=f"{field.description} [env {env_name}; default {default}]",
+            **switch,
         )
 
 
@@ -43,7 +49,18 @@ def run_service(prog: str, description: str, settings_class: type[BaseSettings],
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_settings_arguments(parser, settings_class)
     settings = settings_from_arguments(parser, parser.parse_args(argv), settings_class)
+    try:
+        check_exposure(settings.host, settings.api_keys(), settings.allow_no_auth)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower())
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        # uvicorn waits this long for requests in flight; the app's drain ends streams sooner.
+        timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
+        ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
+    )
+    DrainingServer(config, getattr(app.state, "drain", None)).run()

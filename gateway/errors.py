@@ -33,6 +33,14 @@ class InvalidRequestError(GatewayError):
     """The request is malformed or asks for something we cannot do."""
 
 
+class AuthenticationError(GatewayError):
+    """No API key, or a wrong one."""
+
+
+class RequestTooLargeError(GatewayError):
+    """The request body is larger than the service accepts."""
+
+
 class ModelNotFoundError(GatewayError):
     """The request names a model this service does not serve."""
 
@@ -42,7 +50,11 @@ class SessionConflictError(GatewayError):
 
 
 class OverloadedError(GatewayError):
-    """Too many requests or sessions at once."""
+    """Too many requests or sessions at once; the client may retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **details) -> None:
+        super().__init__(message, **details)
+        self.retry_after_s = retry_after_s
 
 
 class ServiceUnavailableError(GatewayError):
@@ -53,8 +65,10 @@ class ServiceUnavailableError(GatewayError):
 ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     InvalidRequestError: ("invalid_request_error", 400),
     RequestValidationError: ("invalid_request_error", 400),
+    AuthenticationError: ("invalid_request_error", 401),
     ModelNotFoundError: ("not_found_error", 404),
     SessionConflictError: ("conflict_error", 409),
+    RequestTooLargeError: ("invalid_request_error", 413),
     OverloadedError: ("rate_limit_error", 429),
     ServiceUnavailableError: ("service_unavailable_error", 503),
     Exception: ("server_error", 500),
@@ -82,7 +96,8 @@ def error_body(error: BaseException) -> tuple[ErrorResponse, int]:
 
 def error_response(error: BaseException) -> JSONResponse:
     body, status = error_body(error)
-    return JSONResponse(body.model_dump(), status_code=status)
+    headers = {"retry-after": str(error.retry_after_s)} if isinstance(error, OverloadedError) else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _validation_body(error: RequestValidationError) -> ErrorResponse:

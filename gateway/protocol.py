@@ -1,7 +1,9 @@
 """OpenAI-compatible request and response schemas, shared by the edge and the verifier.
 
 Unknown request fields are accepted and ignored (clients send many we do not use); the ones we
-do use are validated here, so a bad value becomes a 400 in the OpenAI error envelope.
+do use are validated here, strictly (``max_tokens: true`` or ``stream: "yes"`` are refused, not
+coerced), so a bad value becomes a 400 in the OpenAI error envelope. Text must be valid Unicode:
+JSON can carry a lone UTF-16 surrogate ("a\\ud800b") that no tokenizer can encode.
 """
 
 from __future__ import annotations
@@ -9,32 +11,75 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 8
+MAX_STOP_LENGTH = 1024
+"""Characters in one stop string (each generated delta is matched against every prefix)."""
+
+
+def first_invalid_text(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode (a lone
+    surrogate cannot be encoded as UTF-8), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "(body)"
+        return None
+    if isinstance(value, dict):
+        items = [(str(key), key) for key in value] + [(str(key), item) for key, item in value.items()]
+    elif isinstance(value, list):
+        items = [(str(index), item) for index, item in enumerate(value)]
+    else:
+        return None
+    for name, item in items:
+        found = first_invalid_text(item, f"{path}.{name}" if path else name)
+        if found is not None:
+            return found
+    return None
+
+
+class UnicodeChecked(BaseModel):
+    """Refuses any string, anywhere in the request, that is not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        invalid = first_invalid_text(data)
+        if invalid is not None:
+            raise ValueError(f"{invalid}: text must be valid Unicode (lone UTF-16 surrogates are not)")
+        return data
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_text_parts(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(content, list) and any(part.get("type") == "text" and not isinstance(part.get("text"), str) for part in content):
+            raise ValueError("a text content part needs a string 'text'")
+        return content
 
     def text(self) -> str:
         """Plain text of the message; list content keeps its text parts (OpenAI content parts)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part["text"] for part in self.content if part.get("type") == "text")
 
 
-class _GenerationFields(BaseModel):
+class _GenerationFields(UnicodeChecked):
     """What both endpoints accept beside their prompt."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -56,6 +101,8 @@ class _GenerationFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported")
         if any(stop == "" for stop in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(stop) > MAX_STOP_LENGTH for stop in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_LENGTH} characters")
         return value
 
     @property
@@ -99,7 +146,14 @@ class SpadeStats(BaseModel):
     fallback_tokens: int = 0
     """Tokens served by the draft model alone while the verifier was unreachable (only with
     the edge's ``--fallback draft``): NOT verified, so not the target's distribution."""
+    overlap_hits: int = 0
+    """Blocks that started with tokens drafted while the previous block was verified."""
+    overlap_misses: int = 0
+    """Blocks drafted ahead that the verdict made useless (rolled back)."""
     draft_ms: float = 0.0
+    """Time spent waiting for drafting (drafting hidden under a verify call is not counted)."""
+    draft_ahead_ms: float = 0.0
+    """Drafting done while verify calls were in flight (hidden from the user's wait)."""
     verify_ms: float = 0.0
     """Round trips of the verify calls, network and queueing included."""
     verifier_forward_ms: float = 0.0

@@ -6,6 +6,8 @@ route answers 503 in the OpenAI envelope.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from sse_starlette import EventSourceResponse
@@ -13,7 +15,10 @@ from starlette.responses import Response
 
 from gateway.engine import GenerationEngine
 from gateway.errors import ServiceUnavailableError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.lifecycle import SHUTDOWN_MARGIN_S, Drain, run_while_wanted
+from gateway.limits import RequestLimits
+from gateway.openapi import GENERATION_ERRORS, error_responses
+from gateway.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard, ModelList
 from gateway.serving import (
     PreparedRequest,
     TextGeneration,
@@ -31,25 +36,33 @@ def current_engine(request: Request) -> GenerationEngine:
     return engine
 
 
+def _streamed_or(model) -> dict:
+    """The 200 of a generation route: the JSON body, or an SSE stream with ``stream: true``."""
+    return {200: {"model": model, "content": {"text/event-stream": {}}, "description": "The completion, or its SSE stream."}}
+
+
 def build_openai_router() -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", response_model=None, responses=_streamed_or(ChatCompletionResponse) | GENERATION_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         engine = current_engine(request)
-        return await _respond(engine, prepare_chat(engine, body))
+        # Templating and tokenizing a large prompt take seconds: off the event loop.
+        prepared = await asyncio.to_thread(prepare_chat, engine, body, _limits(request))
+        return await _respond(engine, prepared, request)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", response_model=None, responses=_streamed_or(CompletionResponse) | GENERATION_ERRORS)
     async def create_completion(body: CompletionRequest, request: Request):
         engine = current_engine(request)
-        return await _respond(engine, prepare_completion(engine, body))
+        prepared = await asyncio.to_thread(prepare_completion, engine, body, _limits(request))
+        return await _respond(engine, prepared, request)
 
-    @router.get("/v1/models")
+    @router.get("/v1/models", responses=error_responses(401, 503))
     async def list_models(request: Request) -> ModelList:
         engine = current_engine(request)
         return ModelList(data=[ModelCard(id=engine.model_id, max_model_len=engine.max_context_length)])
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics."}} | error_responses(401))
     async def metrics(request: Request) -> Response:
         registry: CollectorRegistry = request.app.state.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -57,8 +70,18 @@ def build_openai_router() -> APIRouter:
     return router
 
 
-async def _respond(engine: GenerationEngine, prepared: PreparedRequest):
+def _limits(request: Request) -> RequestLimits:
+    return getattr(request.app.state, "request_limits", None) or RequestLimits()
+
+
+async def _respond(engine: GenerationEngine, prepared: PreparedRequest, request: Request):
+    """Stream, or answer once complete; either way the generation stops when the client goes
+    or the shutdown grace period ends (see gateway.lifecycle)."""
     generation = TextGeneration(engine, prepared)
+    drain: Drain | None = getattr(request.app.state, "drain", None)
     if prepared.stream:
-        return EventSourceResponse(stream_events(generation), ping=15)
-    return await complete_response(generation)
+        # sse-starlette cancels streams at shutdown after its own grace: keep it past ours, so
+        # each stream ends itself with an error event and [DONE].
+        grace_s = drain.grace_s + SHUTDOWN_MARGIN_S if drain is not None else 0
+        return EventSourceResponse(stream_events(generation, drain), ping=15, shutdown_grace_period=grace_s)
+    return await run_while_wanted(complete_response(generation), request, drain)

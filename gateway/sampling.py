@@ -22,6 +22,10 @@ from dataclasses import dataclass
 import torch
 
 MAX_SEED = 2**63 - 1
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this samples greedily (vLLM's _SAMPLING_EPS). Such a temperature's
+distribution is one-hot at the argmax in float32 anyway, except between near-ties, and
+logits / temperature would overflow to inf (NaN probabilities) as it approaches 0."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class SamplingConfig:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def random_seed() -> int:
@@ -60,7 +64,8 @@ def processed_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.is_greedy:
         return one_hot_argmax(logits)
-    logits = logits / config.temperature
+    # Shifting by the max first keeps small temperatures finite: (logit - max) / t <= 0.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / config.temperature
     if config.top_k > 0 and config.top_k < logits.shape[-1]:
         logits = _mask_outside_top_k(logits, config.top_k)
     probs = torch.softmax(logits, dim=-1)
@@ -82,9 +87,12 @@ def _mask_outside_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def _mask_outside_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     # Sort descending; a token is kept when the mass strictly before it is < top_p.
     # Example: probs (0.5, 0.3, 0.2), top_p 0.7 -> mass before = (0, 0.5, 0.8) -> keep 0.5 and 0.3.
+    # The most likely token is always kept: a top_p below float32's smallest number (1e-46)
+    # would otherwise keep nothing; any tiny top_p is top-1.
     sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_keep = mass_before < top_p
+    sorted_keep[..., 0] = True
     keep = torch.zeros_like(sorted_keep).scatter_(-1, sorted_ids, sorted_keep)
     kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)

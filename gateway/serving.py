@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from gateway import chunks
 from gateway.engine import GenerationEngine, GenerationRequest
 from gateway.errors import InvalidRequestError, ModelNotFoundError, error_body
+from gateway.lifecycle import Drain, until_expired
+from gateway.limits import RequestLimits
+from gateway.prompts import chat_prompt_ids, text_prompt_ids
 from gateway.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -43,28 +46,28 @@ class PreparedRequest:
     include_usage: bool
 
 
-def prepare_chat(engine: GenerationEngine, request: ChatCompletionRequest) -> PreparedRequest:
+def prepare_chat(engine: GenerationEngine, request: ChatCompletionRequest, limits: RequestLimits = RequestLimits()) -> PreparedRequest:
+    """Templating and tokenization take seconds on a large prompt: call it off the event loop."""
     check_common(engine, request)
     messages = [{"role": message.role, "content": message.text()} for message in request.messages]
     try:
-        prompt_text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
     except Exception as error:  # jinja errors: a template rejecting these messages
         raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error
-    prompt_ids = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
-    return _prepare(engine, request, "chat", "chat.completion.chunk", prompt_ids, request.token_budget)
+    return _prepare(engine, request, "chat", "chat.completion.chunk", prompt_ids, limits)
 
 
-def prepare_completion(engine: GenerationEngine, request: CompletionRequest) -> PreparedRequest:
+def prepare_completion(engine: GenerationEngine, request: CompletionRequest, limits: RequestLimits = RequestLimits()) -> PreparedRequest:
     check_common(engine, request)
     if request.echo:
         raise InvalidRequestError("echo is not supported", param="echo")
     if isinstance(request.prompt, str):
-        prompt_ids = engine.tokenizer.encode(request.prompt)
+        prompt_ids = text_prompt_ids(engine.tokenizer, request.prompt)
     else:
         prompt_ids = list(request.prompt)
         if any(not 0 <= token_id < engine.vocab_size for token_id in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {engine.vocab_size})", param="prompt")
-    return _prepare(engine, request, "completion", "text_completion", prompt_ids, request.token_budget)
+    return _prepare(engine, request, "completion", "text_completion", prompt_ids, limits)
 
 
 def check_common(engine: GenerationEngine, request: ChatCompletionRequest | CompletionRequest) -> None:
@@ -78,15 +81,18 @@ def check_common(engine: GenerationEngine, request: ChatCompletionRequest | Comp
         raise InvalidRequestError("only n=1 is supported", param="n")
 
 
-def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int], budget: int | None) -> PreparedRequest:
+def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int], limits: RequestLimits) -> PreparedRequest:
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
+    limits.check_prompt(len(prompt_ids))
     room = engine.max_context_length - len(prompt_ids)
-    if room < 1 or (budget is not None and budget > room):
-        asked = len(prompt_ids) + (budget or 1)
+    asked = request.token_budget
+    budget = limits.budget(asked, room)
+    if room < 1 or budget > room:
+        needed = len(prompt_ids) + (asked or 1)
         raise InvalidRequestError(
             f"this model's maximum context length is {engine.max_context_length} tokens; "
-            f"the request needs {asked} ({len(prompt_ids)} in the prompt)",
+            f"the request needs {needed} ({len(prompt_ids)} in the prompt)",
             param="max_tokens",
             code="context_length_exceeded",
         )
@@ -100,7 +106,7 @@ def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int
     generation = GenerationRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
-        max_tokens=budget or room,
+        max_tokens=budget,
         sampling=sampling,
         eos_token_ids=engine.eos_token_ids,
     )
@@ -182,16 +188,17 @@ async def complete_response(generation: TextGeneration) -> ChatCompletionRespons
     )
 
 
-async def stream_events(generation: TextGeneration) -> AsyncIterator[str]:
+async def stream_events(generation: TextGeneration, drain: Drain | None = None) -> AsyncIterator[str]:
     """The SSE ``data:`` payloads of a streamed request, [DONE] last; an error after the stream
-    started is sent as a ``{"error": ...}`` event before [DONE]."""
+    started (the shutdown grace period expiring included) is sent as a ``{"error": ...}`` event
+    before [DONE]."""
     prepared = generation.prepared
     identity = prepared.identity
     is_chat = prepared.kind == "chat"
     try:
         if is_chat:
             yield json.dumps(chunks.chat_role_chunk(identity))
-        async for delta in generation.deltas():
+        async for delta in until_expired(generation.deltas(), drain):
             chunk = chunks.chat_content_chunk(identity, delta) if is_chat else chunks.completion_text_chunk(identity, delta)
             yield json.dumps(chunk, ensure_ascii=False)
         finish = chunks.chat_finish_chunk if is_chat else chunks.completion_finish_chunk

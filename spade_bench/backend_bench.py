@@ -175,7 +175,8 @@ async def transformers_rows(source: ModelSource, draft: LoadedModel | None, conf
     from verifier_service.backends.transformers_backend import TransformersBackend
 
     started = time.perf_counter()
-    backend = TransformersBackend(load_model(source, "cpu", args.dtype), args.max_model_len)
+    backend = TransformersBackend(load_model(source, "cpu", args.dtype), args.max_model_len,
+                                  fast_kernels=args.cpu_kernels != "stock", batch_invariant=args.cpu_kernels == "batch_invariant")
     print(f"transformers backend loaded in {time.perf_counter() - started:.1f} s", flush=True)
     try:
         return await bench_backend("transformers", [("transformers", backend)], draft, config)
@@ -214,6 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft", help="draft model for realistic blocks ('none': random tokens)")
     parser.add_argument("--backends", default="transformers,vllm")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--cpu-kernels", choices=("fast", "batch_invariant", "stock"), default="fast",
+                        help="transformers backend on CPU: the verifier's kernels (its default), batch-invariant, or stock transformers")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)

@@ -13,6 +13,7 @@ SPADE (through the edge agent, per draft length) and draft-only, sweeping the RT
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import platform
@@ -22,9 +23,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from spade_bench.config import MODES, BenchConfig, ModelPair, NetworkSweep, Placement
+from spade_bench.config import DRAFT_BACKENDS, MODES, BenchConfig, ModelPair, NetworkSweep, Placement
 from spade_bench.data import DataSelection, load_items
-from spade_bench.session import report_only, run_session
+
+BENCH_EXTRA_MODULES = ("matplotlib", "rouge_score")
+"""What a run needs from the bench extra (plots; ROUGE against CNN/DM references). Imported
+only once the flags are parsed, so --help works on a plain install; a run without them says
+which extra to install instead of failing with a traceback."""
+BENCH_EXTRA_HINT = "pip install 'spade-gateway[bench]'"
 
 
 
@@ -44,6 +50,14 @@ def _csv(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _on_off_list(text: str) -> tuple[bool, ...]:
+    values = {"on": True, "off": False}
+    try:
+        return tuple(values[part.lower()] for part in _csv(text))
+    except KeyError as error:
+        raise argparse.ArgumentTypeError(f"expected on/off values, got {error.args[0]!r}") from None
+
+
 def _cores(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in _csv(text))
 
@@ -60,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-article-chars", type=int, help="cut CNN/DM articles to this length")
     parser.add_argument("--modes", type=_csv, default=MODES, help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--draft-length", type=_csv, help="comma list of edge draft lengths and/or auto (default 4,8,auto)")
+    parser.add_argument("--draft-backend", type=_csv, default=BenchConfig.draft_backends,
+                        help=f"comma list of the edge's drafter backends among {', '.join(DRAFT_BACKENDS)} (default auto)")
+    parser.add_argument("--overlap", type=_on_off_list, default=BenchConfig.overlaps,
+                        help="comma list of on/off: the edge drafts the next block while one is verified (default on)")
     parser.add_argument("--rtt-ms", type=lambda text: tuple(float(v) for v in _csv(text)),
                         help="comma list of round-trip times (default 0,10,50,100)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="+/- one-way jitter per chunk")
@@ -113,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         models=ModelPair(**_model_fields(args)),
         modes=tuple(args.modes),
         draft_lengths=_pick(args.draft_length, quick.draft_lengths, BenchConfig.draft_lengths, is_quick),
+        draft_backends=tuple(args.draft_backend),
+        overlaps=tuple(args.overlap),
         network=network,
         placement=placement,
         max_tokens=_pick(args.max_tokens, quick.max_tokens, BenchConfig.max_tokens, is_quick),
@@ -165,10 +185,24 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+def missing_bench_modules() -> list[str]:
+    return [name for name in BENCH_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("spade_bench").setLevel(logging.INFO)  # not the HTTP clients' per-request lines
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["capacity"]:  # `spade-bench capacity ...`: users per verifier (spade_bench.capacity)
+        from spade_bench.capacity import main as capacity_main
+
+        return capacity_main(argv[1:])
     args = build_parser().parse_args(argv)
+    missing = missing_bench_modules()
+    if missing:
+        print(f"spade-bench: needs the bench extra (missing {', '.join(missing)}): {BENCH_EXTRA_HINT}", file=sys.stderr)
+        return 2
+    from spade_bench.session import report_only, run_session  # imports matplotlib
     try:
         if not args.data:
             raise ValueError("--data PATH is required (Spec-Bench or CNN/DM .jsonl; repeatable)")

@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from spade_bench.data import DataSelection
+from spade_bench.records import EdgeVariant
 
 TARGET_MODE = "target"
 SPADE_MODE = "spade"
 DRAFT_MODE = "draft"
 MODES = (TARGET_MODE, SPADE_MODE, DRAFT_MODE)
+DRAFT_BACKENDS = ("auto", "llamacpp", "transformers")
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -95,6 +97,10 @@ class BenchConfig:
     modes: tuple[str, ...] = MODES
     draft_lengths: tuple[str, ...] = ("4", "8", "auto")
     """Values of the edge's ``--draft-length``: integers or ``auto``; one edge process each."""
+    draft_backends: tuple[str, ...] = ("auto",)
+    """Values of the edge's ``--draft-backend`` (auto, llamacpp, transformers); one edge each."""
+    overlaps: tuple[bool, ...] = (True,)
+    """Whether the edge drafts while a block is verified (``--overlap``); both to compare."""
     network: NetworkSweep = NetworkSweep()
     placement: Placement = field(default_factory=Placement.default)
     max_tokens: int = 128
@@ -120,6 +126,9 @@ class BenchConfig:
         for value in self.draft_lengths:
             if value != "auto" and not (value.isdigit() and int(value) >= 1):
                 raise ValueError(f"draft length must be a positive integer or 'auto', got {value!r}")
+        unknown_backends = set(self.draft_backends) - set(DRAFT_BACKENDS)
+        if unknown_backends or not self.draft_backends or not self.overlaps:
+            raise ValueError(f"draft backends must be among {DRAFT_BACKENDS} and overlaps non-empty, got {self.draft_backends}, {self.overlaps}")
         if SPADE_MODE in self.modes and not self.draft_lengths:
             raise ValueError("spade mode needs at least one draft length")
         if self.max_tokens < 1:
@@ -130,6 +139,10 @@ class BenchConfig:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def edge_variants(self) -> list[EdgeVariant]:
+        return [EdgeVariant(backend, overlap) for backend in self.draft_backends for overlap in self.overlaps]
 
     def to_dict(self) -> dict:
         described = asdict(self)

@@ -98,10 +98,15 @@ class GroupSummary:
     """The target's forward passes per token, as the verifier timed them."""
     cpu_bound_tokens_per_s: float | None
     """tokens / (CPU seconds of the serving processes + the link's waits): the rate on an idle
-    machine, a yardstick that other work on a shared box does not move. It assumes the edge and
-    the verifier take turns (drafting waits for the verdict), as the edge does today; an edge
-    that overlaps them would beat it. Link waits: one RTT per verify call for SPADE, one per
-    request for target-only (one stream)."""
+    machine, a yardstick that other work on a shared box does not move. Drafting done while a
+    verify call was in flight (``spade.draft_ahead_ms``, overlap on) runs beside the verifier and
+    is taken off the edge's CPU seconds; the rest of the edge's work alternates with the
+    verifier's. Link waits: one RTT per verify call for SPADE, one per request for target-only
+    (one stream)."""
+    overlap_hit_rate: float | None = None
+    """Share of blocks drafted ahead that started the next block (overlap on)."""
+    draft_ahead_s_per_token: float | None = None
+    """Drafting hidden under verify calls, per generated token."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,7 +178,15 @@ def summarize_group(records: list[RequestRecord], category: str = ALL) -> GroupS
         verify_s_per_token=_seconds_per_token(records, lambda record: record.verify_ms),
         forward_s_per_token=_seconds_per_token(records, lambda record: record.verifier_forward_ms),
         cpu_bound_tokens_per_s=_cpu_bound_rate(records),
+        overlap_hit_rate=_overlap_hit_rate(records),
+        draft_ahead_s_per_token=_seconds_per_token(records, lambda record: record.draft_ahead_ms),
     )
+
+
+def _overlap_hit_rate(records: list[RequestRecord]) -> float | None:
+    hits = sum(record.overlap_hits or 0 for record in records)
+    misses = sum(record.overlap_misses or 0 for record in records)
+    return _ratio(hits, hits + misses)
 
 
 def _cpu_bound_rate(records: list[RequestRecord]) -> float | None:
@@ -183,7 +196,8 @@ def _cpu_bound_rate(records: list[RequestRecord]) -> float | None:
         if not cpu_s:
             return None
         round_trips = record.verify_calls if record.mode == SPADE_MODE else 1
-        busy_s += sum(cpu_s) + (round_trips or 0) * (record.rtt_ms or 0.0) / 1000.0
+        hidden_s = min(record.edge_cpu_s or 0.0, (record.draft_ahead_ms or 0.0) / 1000.0)
+        busy_s += sum(cpu_s) - hidden_s + (round_trips or 0) * (record.rtt_ms or 0.0) / 1000.0
     return _ratio(sum(record.completion_tokens for record in records), busy_s)
 
 

@@ -17,6 +17,24 @@ from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True)
+class EdgeVariant:
+    """How the edge drafts: its drafter backend and whether it drafts while a block is verified."""
+
+    draft_backend: str = "auto"
+    overlap: bool = True
+
+    @property
+    def suffix(self) -> str:
+        """What a phase's label adds for this variant: nothing for the edge's defaults."""
+        backend = "" if self.draft_backend == "auto" else f"-{self.draft_backend}"
+        return backend + ("" if self.overlap else "-in-turn")
+
+    @property
+    def edge_args(self) -> tuple[str, ...]:
+        return ("--draft-backend", self.draft_backend, "--overlap", str(self.overlap).lower())
+
+
+@dataclass(frozen=True)
 class Phase:
     """One mode at one setting: every request of a phase runs under the same conditions."""
 
@@ -24,13 +42,15 @@ class Phase:
     draft_length: str | None = None
     rtt_ms: float | None = None
     """None when the mode does not cross the link (draft-only runs on the edge)."""
+    edge: EdgeVariant = EdgeVariant()
 
     @property
     def label(self) -> str:
-        """``target``, ``spade-k4``, ``spade-auto``, ``draft``."""
+        """``target``, ``spade-k4``, ``spade-auto``, ``spade-k8-in-turn``, ``spade-auto-transformers``, ``draft``."""
         if self.draft_length is None:
             return self.mode
-        return f"{self.mode}-k{self.draft_length}" if self.draft_length.isdigit() else f"{self.mode}-{self.draft_length}"
+        length = f"k{self.draft_length}" if self.draft_length.isdigit() else self.draft_length
+        return f"{self.mode}-{length}{self.edge.suffix}"
 
 
 @dataclass(frozen=True)
@@ -43,6 +63,9 @@ class SpadeCounts:
     target_tokens: int = 0
     resyncs: int = 0
     draft_ms: float = 0.0
+    draft_ahead_ms: float = 0.0
+    overlap_hits: int = 0
+    overlap_misses: int = 0
     verify_ms: float = 0.0
     verifier_forward_ms: float = 0.0
 
@@ -78,6 +101,9 @@ class RequestRecord:
     target_tokens: int | None = None
     resyncs: int | None = None
     draft_ms: float | None = None
+    draft_ahead_ms: float | None = None
+    overlap_hits: int | None = None
+    overlap_misses: int | None = None
     verify_ms: float | None = None
     verifier_forward_ms: float | None = None
     target_passes: int | None = None

@@ -116,9 +116,10 @@ def category_table(summaries: Summaries) -> str:
 def time_split_table(summaries: Summaries) -> str:
     """Where SPADE's wall time goes, per token: drafting, then the verify round trip (of which the
     target's forward; the rest is link and queueing), then everything else (prefill on the edge,
-    streaming, the client). Drafting and verifying alternate, so the parts add up to the wall."""
+    streaming, the client). Drafting that waited and verifying alternate, so the parts add up to
+    the wall; drafting done during verify calls (overlap) is listed apart, as it costs no wait."""
     header = ["mode", "RTT ms", "wall s/tok", "draft s/tok", "verify round trip s/tok", "target forward s/tok",
-              "link + queue s/tok", "other s/tok"]
+              "link + queue s/tok", "other s/tok", "drafted during verify s/tok", "overlap hits"]
     rows = []
     for s in summaries.by_rtt:
         if s.mode != SPADE_MODE or s.draft_s_per_token is None or s.verify_s_per_token is None:
@@ -127,7 +128,8 @@ def time_split_table(summaries: Summaries) -> str:
         link = None if s.forward_s_per_token is None else s.verify_s_per_token - s.forward_s_per_token
         other = None if wall is None else wall - s.draft_s_per_token - s.verify_s_per_token
         rows.append([s.label, _rtt(s.rtt_ms), _fmt(wall, 3), _fmt(s.draft_s_per_token, 3),
-                     _fmt(s.verify_s_per_token, 3), _fmt(s.forward_s_per_token, 3), _fmt(link, 3), _fmt(other, 3)])
+                     _fmt(s.verify_s_per_token, 3), _fmt(s.forward_s_per_token, 3), _fmt(link, 3), _fmt(other, 3),
+                     _fmt(s.draft_ahead_s_per_token, 3), _fmt(s.overlap_hit_rate, 0, 100, " %")])
     return _table(header, rows)
 
 

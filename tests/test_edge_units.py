@@ -1,119 +1,18 @@
-"""Units of the edge agent: the draft-length rule and controllers, the engine's block and budget
-arithmetic, and the model drafter (greedy proposals, KV cache reuse, sampled distributions)."""
+"""Units of the edge agent: the engine's block and budget arithmetic, and the model drafter
+(greedy proposals, KV cache reuse, sampled distributions)."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
 
-from edge_agent.draft_length import (
-    AdaptiveDraftLength,
-    FixedDraftLength,
-    best_draft_length,
-    expected_tokens,
-    parse_draft_length,
-)
 from edge_agent.drafter import ModelDrafter
+from edge_agent.draft_length import FixedDraftLength
 from edge_agent.engine import SpeculativeEngine, TargetDescription
 from edge_agent.metrics import EdgeMetrics
 from gateway.sampling import SamplingConfig
 
 EOS = 9
-
-# The draft-length rule ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("acceptance_rate", "num_drafted", "expected"),
-    [(0.8, 3, (1 - 0.8**4) / 0.2), (0.5, 1, 1.5), (0.0, 4, 1.0), (1.0, 5, 6.0)],
-)
-def test_expected_tokens_is_accepted_drafts_plus_the_next_token(acceptance_rate, num_drafted, expected):
-    assert expected_tokens(acceptance_rate, num_drafted) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize(("verify_s", "expected"), [(0.01, 1), (0.1, 4), (0.3, 7)])
-def test_best_draft_length_matches_the_documented_examples(verify_s, expected):
-    assert best_draft_length(0.8, 0.02, verify_s, 16) == expected
-
-
-def test_best_draft_length_grows_with_the_verify_time():
-    lengths = [best_draft_length(0.8, 0.02, verify_ms / 1000, 16) for verify_ms in range(1, 3000, 10)]
-    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
-
-
-def test_best_draft_length_never_exceeds_its_maximum():
-    assert best_draft_length(0.99, 0.001, 10.0, 8) == 8
-
-
-def _feed(controller: AdaptiveDraftLength, acceptance: float, draft_s_per_token: float, verify_s: float, blocks: int = 300) -> list[int]:
-    """Blocks of the controller's length whose drafted tokens are each accepted with probability
-    ``acceptance`` until the first rejection, as a verifier answers them; returns the lengths."""
-    rng = random.Random(0)
-    lengths = []
-    for _ in range(blocks):
-        num_drafted = controller.next_length()
-        num_accepted = 0
-        while num_accepted < num_drafted and rng.random() < acceptance:
-            num_accepted += 1
-        controller.observe(num_drafted, num_accepted, draft_s_per_token * num_drafted, verify_s)
-        lengths.append(num_drafted)
-    return lengths
-
-
-def test_adaptive_length_drafts_long_blocks_with_good_acceptance_and_slow_verify():
-    lengths = _feed(AdaptiveDraftLength(max_length=16), acceptance=0.9, draft_s_per_token=0.01, verify_s=0.5)
-    assert sum(lengths[-100:]) / 100 >= 14
-
-
-def test_adaptive_length_falls_to_one_with_poor_acceptance():
-    controller = AdaptiveDraftLength(max_length=16)
-    _feed(controller, acceptance=0.1, draft_s_per_token=0.01, verify_s=0.1)
-    assert controller.next_length() == 1
-
-
-def test_adaptive_acceptance_estimate_converges_to_the_true_rate():
-    # Regression: averaging per-block estimates k / (k + 1) read a rate of 0.8 as about 0.6.
-    controller = AdaptiveDraftLength(max_length=16, smoothing=0.02)
-    _feed(controller, acceptance=0.8, draft_s_per_token=0.01, verify_s=0.3, blocks=2000)
-    assert controller.acceptance_rate == pytest.approx(0.8, abs=0.05)
-
-
-def test_adaptive_length_estimates_the_measured_times():
-    controller = AdaptiveDraftLength(max_length=16)
-    _feed(controller, acceptance=0.5, draft_s_per_token=0.004, verify_s=0.2)
-    assert (controller.draft_s_per_token, controller.verify_s) == (pytest.approx(0.004), pytest.approx(0.2))
-
-
-def test_adaptive_length_ignores_empty_blocks():
-    controller = AdaptiveDraftLength()
-    controller.observe(0, 0, 0.0, 0.0)
-    assert controller == AdaptiveDraftLength()
-
-
-def test_fixed_length_learns_nothing():
-    controller = FixedDraftLength(5)
-    controller.observe(5, 0, 10.0, 10.0)
-    assert controller.next_length() == 5
-
-
-@pytest.mark.parametrize(("value", "expected"), [("auto", AdaptiveDraftLength(max_length=12)), (" AUTO ", AdaptiveDraftLength(max_length=12)), ("5", FixedDraftLength(5)), (3, FixedDraftLength(3))])
-def test_parse_draft_length(value, expected):
-    assert parse_draft_length(value, 12) == expected
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "2.5", "five", ""])
-def test_parse_draft_length_refuses_anything_but_a_positive_integer_or_auto(value):
-    with pytest.raises(ValueError, match="positive integer or 'auto'"):
-        parse_draft_length(value, 12)
-
-
-@pytest.mark.parametrize("arguments", [dict(max_length=0), dict(smoothing=0.0), dict(smoothing=1.5)])
-def test_adaptive_length_refuses_bad_settings(arguments):
-    with pytest.raises(ValueError):
-        AdaptiveDraftLength(**arguments)
-
 
 # The engine's block and budget arithmetic -------------------------------------------------------
 
@@ -149,7 +48,8 @@ def _engine(draft_length: int = 5, max_context_length: int = 1000, max_draft_tok
     ],
 )
 def test_block_length(engine_arguments, remaining, context_length, block):
-    assert _engine(**engine_arguments).block_length(remaining, context_length) == block
+    engine = _engine(**engine_arguments)
+    assert engine.block_length(engine_arguments["draft_length"], remaining, context_length) == block
 
 
 # The model drafter ------------------------------------------------------------------------------

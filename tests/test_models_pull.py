@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from spade_models import cli
+from spade_models import loader
 from spade_models.loader import (ModelSource, converted_dir, eos_token_ids, file_cache_key, is_converted, load_model,
-                                 save_converted, tokenizer_fingerprint)
+                                 load_tokenizer, save_converted, tokenizer_dir, tokenizer_fingerprint)
 from spade_models.pull import (HubSource, MirrorSource, PipDownloader, PullError, SourceUnavailable, gguf_path, pull,
                                pull_model, wheel_prefix)
 from spade_models.registry import (DEFAULT_DRAFT, DEFAULT_TARGET, REGISTRY, MirrorChunk, RegisteredModel,
@@ -287,6 +288,32 @@ def test_each_dtype_has_its_own_converted_copy(tiny_gguf, tmp_path):
     assert load_model(source, dtype="bfloat16").dtype == "bfloat16"
     assert load_model(source, dtype="bf16").loaded_from.endswith("-bfloat16")
     assert not is_converted(converted_dir(tmp_path / "cache", file_cache_key(tiny_gguf), "float32"))
+
+
+def test_the_tokenizer_alone_is_read_from_a_gguf_once_then_from_a_saved_copy(tiny_gguf, tmp_path, monkeypatch):
+    """Reading a tokenizer out of a GGUF takes seconds (llama.cpp drafts need nothing else)."""
+    read_from = []
+    original = loader.AutoTokenizer.from_pretrained
+
+    def recording(directory, **kwargs):
+        read_from.append((directory, kwargs))
+        return original(directory, **kwargs)
+
+    monkeypatch.setattr(loader.AutoTokenizer, "from_pretrained", recording)
+    cache = tmp_path / "cache"
+    source = ModelSource(str(tiny_gguf), cache_dir=str(cache))
+    first, second = load_tokenizer(source), load_tokenizer(source)
+    saved = tokenizer_dir(cache, file_cache_key(tiny_gguf))
+    assert read_from == [(str(tiny_gguf.parent), {"gguf_file": tiny_gguf.name}), (str(saved), {})]
+    assert not is_converted(converted_dir(cache, file_cache_key(tiny_gguf), "float32"))  # no weights converted
+    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(second) == tokenizer_fingerprint(load_model(source).tokenizer)
+    assert first.chat_template == second.chat_template
+
+
+def test_the_tokenizer_alone_comes_from_a_converted_copy_when_there_is_one(tiny_gguf, tmp_path):
+    source = ModelSource(str(tiny_gguf), cache_dir=str(tmp_path / "cache"))
+    load_model(source, dtype="bfloat16")
+    assert load_tokenizer(source).name_or_path == str(converted_dir(tmp_path / "cache", file_cache_key(tiny_gguf), "bfloat16"))
 
 
 def test_a_replaced_gguf_gets_a_new_cache_key(tiny_gguf, tmp_path):

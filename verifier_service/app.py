@@ -12,9 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import ServiceUnavailableError, install_error_handlers
+from gateway.guards import install_guards
+from gateway.openapi import error_responses
 from gateway.routes import build_openai_router
 from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
+from verifier_service.kv_budget import KvBudget
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse
 from verifier_service.service import VerifierService
@@ -48,6 +51,7 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
     app.state.service = None
     app.state.engine = None
     install_error_handlers(app)
+    install_guards(app, settings, settings.host)
     app.include_router(build_openai_router())
     _add_verifier_routes(app)
     return app
@@ -59,10 +63,18 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     except Exception:
         logger.exception("loading the target model failed")
         raise
-    sessions = SessionRegistry(settings.session_limits())
+    sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings))
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics)
     app.state.engine = TargetOnlyEngine(backend, app.state.metrics)
     logger.info("verifier ready: %s (%s backend)", backend.model_id, backend.name)
+
+
+def _kv_budget(backend: VerifierBackend, settings: VerifierSettings) -> KvBudget | None:
+    """The byte budget of the backend's per-session caches (vLLM manages its own KV memory)."""
+    bytes_per_token = getattr(backend, "kv_bytes_per_token", None)
+    if bytes_per_token is None:
+        return None
+    return KvBudget.for_model(bytes_per_token, backend.info.max_context_length, settings.max_kv_cache_bytes)
 
 
 def current_service(request: Request) -> VerifierService:
@@ -73,15 +85,15 @@ def current_service(request: Request) -> VerifierService:
 
 
 def _add_verifier_routes(app: FastAPI) -> None:
-    @app.post("/v1/verify")
+    @app.post("/v1/verify", responses=error_responses(400, 401, 409, 413, 429, 503))
     async def verify(body: VerifyRequest, request: Request) -> VerifyResponse:
         return await current_service(request).verify(body)
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.delete("/v1/sessions/{session_id}", responses=error_responses(401, 503))
     async def delete_session(session_id: str, request: Request) -> SessionDeleted:
         return current_service(request).end_session(session_id)
 
-    @app.get("/health")
+    @app.get("/health", response_model=VerifierHealth, responses={503: {"model": VerifierHealth, "description": "Still loading the model."}})
     async def health(request: Request) -> JSONResponse:
         service: VerifierService | None = request.app.state.service
         settings: VerifierSettings = request.app.state.settings

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from verifier_service.backends.base import BlockVerdict
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -20,21 +21,42 @@ class VerifierMetrics:
         self.target_tokens = Counter("spade_verifier_target_tokens", "Tokens through the target's forward passes", registry=self.registry)
         self.drafted_tokens = Counter("spade_verifier_drafted_tokens", "Drafted tokens received", registry=self.registry)
         self.accepted_tokens = Counter("spade_verifier_accepted_tokens", "Drafted tokens accepted", registry=self.registry)
-        self.generated_tokens = Counter("spade_verifier_generated_tokens", "Tokens emitted (accepted + next)", registry=self.registry)
+        self.generated_tokens = Counter("spade_verifier_generated_tokens", "Tokens the target committed (accepted + next), counted before the edge trims a final block at an end-of-sequence token or max_tokens: can exceed the edges' spade_edge_generated_tokens (target-only requests count here too)", registry=self.registry)
         self.forward_seconds = Histogram("spade_verifier_forward_seconds", "Forward pass + acceptance per call", buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_seconds = Histogram("spade_verifier_queue_seconds", "Wait for the target per call", buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_sessions = Histogram("spade_verifier_batch_sessions", "Sessions sharing each call's forward (batched verification)", buckets=BATCH_BUCKETS, registry=self.registry)
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
+        self.forward_seconds_by_block = Histogram(
+            "spade_verifier_forward_seconds_by_block",
+            "The model call alone per forward, by drafted tokens (0 = a target-only step; 17+ pooled; "
+            "'prefill' = calls that also fed uncached context): the curve t_verify(d)",
+            ["num_drafted"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
 
-    def observe_forward(self, verdict: BlockVerdict) -> None:
-        """Every forward pass, whether for a verify call or a target-only step."""
+    def observe_forward(self, verdict: BlockVerdict, num_drafted: int = 0) -> None:
+        """Every forward pass, whether for a verify call or a target-only step (num_drafted 0)."""
         self.forward_passes.inc()
         self.target_tokens.inc(verdict.num_target_tokens)
         self.generated_tokens.inc(verdict.num_accepted + 1)
         self.forward_seconds.observe(verdict.forward_s)
         self.queue_seconds.observe(verdict.queue_s)
+        self.batch_sessions.observe(verdict.num_batched)
+        if verdict.model_s is not None and verdict.num_batched == 1:
+            self.forward_seconds_by_block.labels(block_label(num_drafted, verdict.num_target_tokens)).observe(verdict.model_s)
 
     def observe_verify(self, num_drafted: int, verdict: BlockVerdict) -> None:
-        self.observe_forward(verdict)
+        self.observe_forward(verdict, num_drafted)
         self.verify_calls.inc()
         self.drafted_tokens.inc(num_drafted)
         self.accepted_tokens.inc(verdict.num_accepted)
+
+
+MAX_BLOCK_LABEL = 16
+
+
+def block_label(num_drafted: int, num_target_tokens: int) -> str:
+    """The by-block histogram's label: a steady-state call feeds the previous next token plus
+    the block (num_drafted + 1 rows); any call that fed more also prefilled context."""
+    if num_target_tokens > num_drafted + 1:
+        return "prefill"
+    return str(num_drafted) if num_drafted <= MAX_BLOCK_LABEL else f"{MAX_BLOCK_LABEL + 1}+"

@@ -30,6 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gateway.protocol import UnicodeChecked
 from gateway.sampling import SamplingConfig
 
 SESSION_RESYNC_CODE = "session_resync_required"
@@ -45,7 +46,7 @@ def context_digest(token_ids: list[int]) -> str:
 class WireSampling(BaseModel):
     """The request's sampling transform, as applied to the target's logits."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     temperature: float = Field(1.0, ge=0.0)
     top_k: int = Field(0, ge=-1)
@@ -63,7 +64,7 @@ class WireSampling(BaseModel):
 class SparseDistribution(BaseModel):
     """The distribution one drafted token was sampled from: its support and their probabilities."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     token_ids: list[int] = Field(min_length=1)
     probs: list[float] = Field(min_length=1)
@@ -77,8 +78,8 @@ class SparseDistribution(BaseModel):
         return self
 
 
-class VerifyRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class VerifyRequest(UnicodeChecked):
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     session_id: str = Field(min_length=1, max_length=128)
     prefix_length: int = Field(ge=0, description="Committed tokens the edge assumes the verifier holds.")
@@ -98,6 +99,10 @@ class VerifyTimings(BaseModel):
     queue_ms: float = Field(description="Waiting for the target (other sessions' forwards).")
     forward_ms: float = Field(description="The target's forward pass and the acceptance math.")
     total_ms: float = Field(description="From receiving the call to answering it.")
+    model_ms: float | None = Field(
+        None, description="The target's forward alone (the model call over num_target_tokens tokens), without the "
+        "acceptance math; null where the backend does not measure it."
+    )
 
 
 class VerifyResponse(BaseModel):

@@ -57,7 +57,11 @@ class VerifierService:
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
             block = BlockToVerify(request.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config())
-            verdict = await self.backend.verify_block(block)
+            self._release(self.sessions.reserve(session, len(context) + len(request.draft_tokens)))
+            try:
+                verdict = await self.backend.verify_block(block)
+            finally:
+                session.reserved_tokens = 0
             response = self._response(request, len(context), verdict, received_at)
             emitted = request.draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             session.commit(context + emitted, fingerprint, response)
@@ -165,10 +169,14 @@ class VerifierService:
                 queue_ms=verdict.queue_s * 1e3,
                 forward_ms=verdict.forward_s * 1e3,
                 total_ms=(time.perf_counter() - received_at) * 1e3,
+                model_ms=None if verdict.model_s is None else verdict.model_s * 1e3,
             ),
         )
 
     def _evict(self, keep: str) -> None:
-        for session_id in self.sessions.evict(keep=keep):
+        self._release(self.sessions.evict(keep=keep))
+
+    def _release(self, session_ids: list[str]) -> None:
+        for session_id in session_ids:
             self.backend.release_session(session_id)
         self.metrics.sessions.set(len(self.sessions))

@@ -3,7 +3,9 @@
 Pure bookkeeping (no tensors): the committed token list and its digest, the fingerprint and
 response of the last call (to answer a retry from memory), a lock that serialises calls of one
 session, and least-recently-used eviction bounded by session count, total tokens and idle time.
-The backend's caches follow it: whoever evicts a session tells the backend to release it.
+With a KV budget (``kv_budget``), a call reserves the tokens its forward will cache before it
+runs: idle sessions are evicted to make room, and the call is refused (429) when even that
+cannot. The backend's caches follow it: whoever evicts a session tells the backend to release it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from gateway.errors import OverloadedError
+from verifier_service.kv_budget import KvBudget
 from verifier_service.protocol import VerifyResponse, context_digest
 
 
@@ -25,6 +29,12 @@ class Session:
     last_response: VerifyResponse | None = None
     last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    reserved_tokens: int = 0
+    """Tokens the call in flight will hold in the cache (its context + block), while it runs."""
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return max(len(self.token_ids), self.reserved_tokens)
 
     def matches(self, prefix_length: int, prefix_digest: str) -> bool:
         return len(self.token_ids) == prefix_length and self.digest == prefix_digest
@@ -51,8 +61,9 @@ class SessionLimits:
 
 
 class SessionRegistry:
-    def __init__(self, limits: SessionLimits) -> None:
+    def __init__(self, limits: SessionLimits, kv_budget: KvBudget | None = None) -> None:
         self._limits = limits
+        self.kv_budget = kv_budget
         self._sessions: OrderedDict[str, Session] = OrderedDict()
 
     def __len__(self) -> int:
@@ -61,6 +72,39 @@ class SessionRegistry:
     @property
     def num_tokens(self) -> int:
         return sum(len(session.token_ids) for session in self._sessions.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the sessions' KV caches hold (or will, for calls in flight)."""
+        if self.kv_budget is None:
+            return 0
+        return sum(session.num_cached_tokens for session in self._sessions.values()) * self.kv_budget.bytes_per_token
+
+    def reserve(self, session: Session, num_tokens: int) -> list[str]:
+        """Reserve cache room for ``session``'s call feeding ``num_tokens`` in all; evicts idle
+        sessions (least recently used first, never one with a call in flight) when needed.
+        Returns the evicted ids; raises OverloadedError (429) when no room can be made."""
+        if self.kv_budget is None:
+            return []
+        others = [s for s in self._sessions.values() if s is not session]
+        held = sum(s.num_cached_tokens for s in others)
+        evicted = []
+        for other in others:
+            if held + num_tokens <= self.kv_budget.max_tokens:
+                break
+            if other.lock.locked() or other.reserved_tokens:
+                continue
+            held -= other.num_cached_tokens
+            del self._sessions[other.session_id]
+            evicted.append(other.session_id)
+        if held + num_tokens > self.kv_budget.max_tokens:
+            raise OverloadedError(
+                f"the KV cache budget ({self.kv_budget.max_bytes} bytes, max_kv_cache_bytes) is held by calls in "
+                f"flight; this call needs {num_tokens * self.kv_budget.bytes_per_token} bytes: retry shortly",
+                code="kv_cache_full", retry_after_s=1,
+            )
+        session.reserved_tokens = num_tokens
+        return evicted
 
     def get(self, session_id: str) -> Session | None:
         """The session, or None when unknown or idle past the TTL (an expired one stays listed

@@ -18,6 +18,8 @@ async def create_backend(settings: "VerifierSettings") -> VerifierBackend:
     from spade_models.loader import ModelSource
 
     source = ModelSource(settings.model, settings.gguf_file)
+    if settings.batch_invariant and settings.backend != "transformers":
+        raise ValueError("--batch-invariant is a mode of --backend transformers")
     if settings.backend == "vllm":
         from verifier_service.backends.vllm_backend import create_vllm_backend
 
@@ -35,6 +37,12 @@ async def create_backend(settings: "VerifierSettings") -> VerifierBackend:
         from verifier_service.backends.transformers_backend import TransformersBackend
 
         loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
-        backend = TransformersBackend(loaded, settings.max_context_length)
+        # In a thread too: the CPU kernels may be compiled here (about a second, once per machine).
+        backend = await asyncio.to_thread(
+            TransformersBackend, loaded, settings.max_context_length,
+            fast_kernels=settings.fast_kernels, batch_invariant=settings.batch_invariant,
+        )
+        # A row's logits may not depend on other sessions' rows either: one session per forward.
+        backend.enable_batching(1 if settings.batch_invariant else settings.max_batch_sessions, settings.batch_wait_ms / 1000.0)
     backend.served_model_name = settings.served_model_name
     return backend

@@ -68,6 +68,10 @@ class BlockVerdict:
     """Tokens that went through the target's forward pass for this block."""
     queue_s: float
     forward_s: float
+    num_batched: int = 1
+    """Sessions whose calls shared this forward (1 = verified alone)."""
+    model_s: float | None = None
+    """The model call alone (forward_s less the acceptance math); None where not measured."""
 
 
 class VerifierBackend(abc.ABC):

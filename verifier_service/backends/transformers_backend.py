@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -22,13 +23,21 @@ from spade_models.kv_cache import TokenCache, cache_argument_name
 from spade_models.loader import LoadedModel, eos_token_ids, tokenizer_fingerprint
 from verifier_service.acceptance import accept_block
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+from verifier_service.backends.batching import BatchGatherer, verify_batch
+from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
+from verifier_service.backends.growing_cache import growing_cache
+from verifier_service.kv_budget import kv_bytes_per_token
 
 
 class TransformersBackend(VerifierBackend):
     name = "transformers"
 
-    def __init__(self, loaded: LoadedModel, max_context_length: int | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, max_context_length: int | None = None, *,
+                 fast_kernels: bool = False, batch_invariant: bool = False) -> None:
+        """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
+        model is patched in place, and the target-only route runs the same patched model)."""
         self._model = loaded.model
+        self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
         self._device = torch.device(loaded.device)
         config = loaded.model.config
         self._info = ModelInfo(
@@ -42,6 +51,12 @@ class TransformersBackend(VerifierBackend):
         self._cache_argument = cache_argument_name(loaded.model)
         self._caches: dict[str, TokenCache] = {}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
+        self._gatherer: BatchGatherer | None = None
+
+    def enable_batching(self, max_batch_sessions: int, batch_wait_s: float) -> None:
+        """Run calls of different sessions that arrive together as one forward (``batching``)."""
+        if max_batch_sessions > 1:
+            self._gatherer = BatchGatherer(partial(verify_batch, self), self._executor, max_batch_sessions, batch_wait_s)
 
     @property
     def info(self) -> ModelInfo:
@@ -51,8 +66,15 @@ class TransformersBackend(VerifierBackend):
     def num_cached_sessions(self) -> int:
         return len(self._caches)
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes per token, for the session registry's KV budget."""
+        return kv_bytes_per_token(self._model.config, self._model.dtype)
+
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         queued_at = time.perf_counter()
+        if self._gatherer is not None:
+            return await self._gatherer.submit(block, queued_at)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._verify, block, queued_at)
 
@@ -60,13 +82,27 @@ class TransformersBackend(VerifierBackend):
         self._executor.submit(self._caches.pop, session_id, None)
 
     async def aclose(self) -> None:
+        if self._gatherer is not None:
+            await self._gatherer.aclose()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._caches.clear()
 
     def _verify(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         started = time.perf_counter()
-        entry = self._caches.pop(block.session_id, None) or TokenCache.empty(self._model)
+        entry = self._caches.pop(block.session_id, None) or self._new_cache()
         num_input_tokens, logits = self._forward(entry, block)
+        model_s = time.perf_counter() - started
+        return self._conclude(entry, block, num_input_tokens, logits, queued_at, started, model_s=model_s)
+
+    def _new_cache(self) -> TokenCache:
+        """With the CPU kernels, a cache that appends in place (``growing_cache``)."""
+        if self.cpu_kernels is None:
+            return TokenCache.empty(self._model)
+        return TokenCache(growing_cache(self._model.config))
+
+    def _conclude(self, entry: TokenCache, block: BlockToVerify, num_input_tokens: int, logits: torch.Tensor,
+                  queued_at: float, started: float, num_batched: int = 1, model_s: float | None = None) -> BlockVerdict:
+        """Acceptance over the block's logits [d + 1, vocab]; the cache keeps what is committed."""
         target_probs = processed_probs(logits, block.sampling)  # [d + 1, vocab]
         uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
         draft_ids = torch.tensor(block.draft_token_ids, dtype=torch.long)
@@ -85,6 +121,8 @@ class TransformersBackend(VerifierBackend):
             num_target_tokens=num_input_tokens,
             queue_s=started - queued_at,
             forward_s=time.perf_counter() - started,
+            num_batched=num_batched,
+            model_s=model_s,
         )
 
     def _forward(self, entry: TokenCache, block: BlockToVerify) -> tuple[int, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""Who may call a service: API keys (Bearer), the refusal to listen on a network without one,
+and Host checking for a service bound to loopback (DNS rebinding: a web page on another
+origin resolving its own name to 127.0.0.1 must not reach the local edge).
+
+The key check is a pure ASGI middleware, so a stranger is refused before any body is read.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import AuthenticationError, error_response
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+LOOPBACK_HOST_HEADERS = ["localhost", "127.0.0.1", "[::1]"]
+OPEN_PATHS = frozenset({"/health"})
+
+
+def load_api_keys(api_key: str | None, api_key_file: str | None) -> frozenset[str]:
+    """The keys from a comma-separated value and a file of one key per line (blank lines and
+    surrounding spaces ignored). Several keys allow rotation: add the new one, move clients,
+    drop the old one."""
+    keys = [part.strip() for part in (api_key or "").split(",")]
+    if api_key_file:
+        keys += [line.strip() for line in Path(api_key_file).read_text().splitlines()]
+    return frozenset(key for key in keys if key)
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
+
+
+def check_exposure(host: str, api_keys: frozenset[str], allow_no_auth: bool) -> None:
+    """Refuse to serve a non-loopback address without a key unless explicitly allowed."""
+    if not is_loopback(host) and not api_keys and not allow_no_auth:
+        raise ValueError(
+            f"refusing to listen on {host} without an API key: set --api-key (or --api-key-file), "
+            "or pass --allow-no-auth if the network is trusted"
+        )
+
+
+def bearer_token(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
+    return None
+
+
+def is_valid_key(presented: bytes | None, api_keys: frozenset[bytes]) -> bool:
+    """Constant-time comparison against every key (no early exit on the first match)."""
+    if presented is None:
+        return False
+    matched = False
+    for key in api_keys:
+        matched |= hmac.compare_digest(presented, key)
+    return matched
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on every HTTP route but ``open_paths``; answers
+    401 in the OpenAI envelope (type invalid_request_error, code invalid_api_key) otherwise."""
+
+    def __init__(self, app: ASGIApp, api_keys: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app = app
+        self.api_keys = frozenset(key.encode() for key in api_keys)
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.api_keys or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        presented = bearer_token(scope)
+        if is_valid_key(presented, self.api_keys):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing API key: send 'Authorization: Bearer <key>'" if presented is None else "invalid API key"
+        response = error_response(AuthenticationError(reason, code="invalid_api_key"))
+        response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+
+def open_paths(metrics_require_key: bool) -> frozenset[str]:
+    return OPEN_PATHS if metrics_require_key else OPEN_PATHS | {"/metrics"}

@@ -1,0 +1,159 @@
+"""Capacity benchmark numbers: per mode and user count N, from each emulated user's result and
+the verifier's /metrics before and after the level ran.
+
+    aggregate tok/s     all users' generated tokens / (last user done - first user started)
+    user tok/s          one user's tokens / its own wall time; p50 and p99 (the speed 99 % of
+                        users reach, i.e. the 1st percentile: with few users, the slowest)
+    TTFT                request start -> first token (SPADE: first verify answer)
+    CPU s/token         verifier process_cpu_seconds_total delta / all users' tokens
+    queue ms            wait for the target per forward (spade_verifier_queue_seconds sum/count)
+    batch               sessions per forward, averaged over calls (spade_verifier_batch_sessions)
+    max N at target     the largest N whose user tok/s p99 still meets --user-tokens-per-s
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SPADE = "spade"
+TARGET = "target"
+
+
+@dataclass(frozen=True)
+class UserResult:
+    mode: str
+    tokens: int
+    started_at: float
+    finished_at: float
+    ttft_s: float | None
+    num_calls: int = 0
+    num_mismatches: int = 0
+    """Verify answers that differ from the recording (the session then replays inexactly)."""
+    queue_ms: tuple[float, ...] = ()
+
+    @property
+    def wall_s(self) -> float:
+        return self.finished_at - self.started_at
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LevelRow:
+    mode: str
+    num_users: int
+    tokens: int
+    makespan_s: float
+    aggregate_tok_s: float
+    user_tok_s_p50: float
+    user_tok_s_p99: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    cpu_s_per_token: float | None
+    queue_ms_mean: float | None
+    mean_batch: float | None
+    num_mismatches: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile ``q`` in [0, 100]; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float]) -> LevelRow:
+    """One (mode, N) row from its users and the verifier's /metrics delta over the level."""
+    tokens = sum(user.tokens for user in users)
+    makespan = max(u.finished_at for u in users) - min(u.started_at for u in users)
+    speeds = [user.tokens_per_s for user in users]
+    ttfts = [user.ttft_s for user in users if user.ttft_s is not None]
+    return LevelRow(
+        mode=mode, num_users=len(users), tokens=tokens, makespan_s=makespan,
+        aggregate_tok_s=tokens / makespan if makespan > 0 else 0.0,
+        user_tok_s_p50=percentile(speeds, 50), user_tok_s_p99=percentile(speeds, 1),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        cpu_s_per_token=_ratio(metrics_delta.get("process_cpu_seconds_total"), tokens),
+        queue_ms_mean=_ratio(_scaled(metrics_delta.get("spade_verifier_queue_seconds_sum"), 1e3),
+                             metrics_delta.get("spade_verifier_queue_seconds_count")),
+        mean_batch=_ratio(metrics_delta.get("spade_verifier_batch_sessions_sum"),
+                          metrics_delta.get("spade_verifier_batch_sessions_count")),
+        num_mismatches=sum(user.num_mismatches for user in users),
+    )
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
+def max_users_at(rows: list[LevelRow], mode: str, user_tokens_per_s: float) -> int | None:
+    """The largest N whose p99 user speed meets the target (None: not even one user)."""
+    meeting = [row.num_users for row in rows if row.mode == mode and row.user_tok_s_p99 >= user_tokens_per_s]
+    return max(meeting) if meeting else None
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
+    """The capacity table, SPADE's aggregate also as a multiple of target-only's at the same N."""
+    target_rate = {row.num_users: row.aggregate_tok_s for row in rows if row.mode == TARGET}
+    lines = ["| mode | N | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
+             "| verifier CPU s/tok | queue ms (mean) | sessions/forward | mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(rows, key=lambda r: (r.mode != TARGET, r.mode, r.num_users)):
+        ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
+        lines.append(
+            f"| {row.mode} | {row.num_users} | {row.aggregate_tok_s:.2f} | {_fmt(ratio)}× | {row.user_tok_s_p50:.2f} "
+            f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
+            f"| {_fmt(row.queue_ms_mean, 0)} | {_fmt(row.mean_batch)} | {row.num_mismatches if row.mode == SPADE else '–'} |")
+    modes = sorted({row.mode for row in rows})
+    capacity = ", ".join(f"{mode}: {max_users_at(rows, mode, user_tokens_per_s) or 0}" for mode in modes)
+    lines.append(f"\nLargest N with every user (p99) at ≥ {user_tokens_per_s:g} tok/s — {capacity} (of the N run).")
+    return "\n".join(lines)
+
+
+def write_plots(rows: list[LevelRow], directory: Path, title: str = "") -> list[Path]:
+    """aggregate tok/s and verifier CPU s/token against N, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, field, label in (("capacity_tokens_per_s.png", "aggregate_tok_s", "aggregate tokens/s"),
+                               ("capacity_cpu_per_token.png", "cpu_s_per_token", "verifier CPU s / token")):
+        figure, axes = plt.subplots(figsize=(6.5, 4.2))
+        for mode in sorted({row.mode for row in rows}):
+            points = sorted((r.num_users, getattr(r, field)) for r in rows if r.mode == mode and getattr(r, field) is not None)
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=mode)
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("concurrent users N")
+        axes.set_ylabel(label)
+        axes.set_title(f"{label} vs N" + (f"\n{title}" if title else ""), fontsize=10)
+        axes.legend()
+        axes.grid(alpha=0.3)
+        figure.tight_layout()
+        path = directory / name
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths

@@ -1,0 +1,307 @@
+"""The target's forward time against the block length: t(d) for d drafted tokens (d + 1 rows
+fed on top of a cached context), stock transformers vs the verifier's CPU kernels, fast and
+batch-invariant, side by side in one process on one loaded model.
+
+    python -m spade_bench.forward_bench                                  # tiny target, built here
+    taskset -c 1 python -m spade_bench.forward_bench --model qwen2.5-coder-1.5b-instruct \
+        --context-lengths 200,1000 --repeats 5 --output bench_results/forward   # (one line)
+
+For each context length the context is prefilled once (with the fast kernels; the cache
+contents do not change the timing) and every measurement feeds d + 1 random tokens after it,
+times the model call alone (logits for the d + 1 rows, as the verifier keeps), then crops the
+cache back. Stock runs on transformers' DynamicCache, the kernels on the verifier's in-place
+``growing_cache``, as in the verifier. Modes and block lengths are interleaved within each
+repetition, so a neighbour's load spreads over all of them; the tables print medians of CPU
+time (and of wall time). Also checked, on the same model:
+the batch-invariant mode's rows are bitwise equal to one-token steps, and the kernels' logits
+stay within fp32 rounding of the stock model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from spade_models.kv_cache import cache_argument_name
+from spade_models.loader import ModelSource, load_model
+from spade_models.pull import resolve_cache_dir
+from verifier_service.backends.cpu_kernels import apply_cpu_kernels, load_kernel_library
+from verifier_service.backends.growing_cache import growing_cache
+
+MODES = ("stock", "fast", "batch_invariant")
+DRAFTED = (0, 1, 2, 4, 8, 16)
+"""d = 0 is one target-only step (one row); d drafted tokens feed d + 1 rows."""
+
+
+CLOCKS = ("cpu", "wall")
+"""cpu: this process's CPU time (what the verifier's process_cpu_seconds_total counts; a busy
+neighbour on the same core stretches wall time, not CPU time); wall: elapsed time."""
+
+
+@dataclass
+class Timings:
+    seconds: dict[tuple[str, int, str, int], list[float]] = field(default_factory=dict)
+    """(clock, context length, mode, drafted) -> one forward's seconds per repetition."""
+
+    def add(self, context_length: int, mode: str, drafted: int, cpu_s: float, wall_s: float) -> None:
+        for clock, value in zip(CLOCKS, (cpu_s, wall_s)):
+            self.seconds.setdefault((clock, context_length, mode, drafted), []).append(value)
+
+    def median_ms(self, clock: str, context_length: int, mode: str, drafted: int) -> float:
+        return statistics.median(self.seconds[(clock, context_length, mode, drafted)]) * 1e3
+
+
+class ForwardBench:
+    """One model, its cache over a random context, and the three modes to switch between."""
+
+    def __init__(self, model, library, seed: int = 0) -> None:
+        self.model = model
+        self.library = library
+        self.cache_argument = cache_argument_name(model)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.patch = None
+
+    def use(self, mode: str) -> None:
+        if self.patch is not None:
+            self.patch.remove()
+            self.patch = None
+        if mode != "stock":
+            self.patch = apply_cpu_kernels(self.model, self.library, batch_invariant=mode == "batch_invariant")
+
+    def random_tokens(self, count: int) -> torch.Tensor:
+        return torch.randint(3, self.vocab_size, (1, count), generator=self.generator)
+
+    def forward(self, cache: DynamicCache, token_ids: torch.Tensor, keep: int) -> torch.Tensor:
+        with torch.inference_mode():
+            output = self.model(input_ids=token_ids, use_cache=True, logits_to_keep=keep, **{self.cache_argument: cache})
+        return output.logits[0]
+
+    def prefill(self, context_length: int) -> dict[str, DynamicCache]:
+        """Per mode, the cache the verifier would use over one random context: transformers'
+        DynamicCache for stock, the in-place ``growing_cache`` with the kernels."""
+        grown = growing_cache(self.model.config)
+        self.use("fast")
+        self.forward(grown, self.random_tokens(context_length), 1)
+        stock = DynamicCache(config=self.model.config)
+        for index, layer in enumerate(grown.layers):
+            stock.update(layer.keys.clone(), layer.values.clone(), index)
+        return {mode: stock if mode == "stock" else grown for mode in MODES}
+
+    def time_block(self, cache: DynamicCache, drafted: int) -> tuple[float, float]:
+        """(CPU seconds, wall seconds) of one forward of d + 1 rows after the cached context."""
+        token_ids = self.random_tokens(drafted + 1)
+        cpu_started, wall_started = time.process_time(), time.perf_counter()
+        self.forward(cache, token_ids, drafted + 1)
+        elapsed = (time.process_time() - cpu_started, time.perf_counter() - wall_started)
+        cache.crop(-(drafted + 1))
+        return elapsed
+
+
+def run_timings(bench: ForwardBench, context_lengths: list[int], modes: list[str], drafted: list[int],
+                repeats: int) -> Timings:
+    timings = Timings()
+    for context_length in context_lengths:
+        caches = bench.prefill(context_length)
+        for repeat in range(repeats + 1):  # repetition 0 warms up, untimed
+            for mode in modes:
+                bench.use(mode)
+                for num_drafted in drafted:
+                    cpu_s, wall_s = bench.time_block(caches[mode], num_drafted)
+                    if repeat:
+                        timings.add(context_length, mode, num_drafted, cpu_s, wall_s)
+            print(f"context {context_length}: repetition {repeat}/{repeats} done, load {os.getloadavg()[0]:.2f}", flush=True)
+    bench.use("stock")
+    return timings
+
+
+def check_numerics(bench: ForwardBench, context_length: int, block_lengths: list[int]) -> list[str]:
+    """Bitwise row invariance of the batch-invariant mode, and the kernels' distance from stock."""
+    prefix = bench.random_tokens(context_length)
+    block = bench.random_tokens(max(block_lengths))
+    lines = []
+    logits = {}
+    for mode in ("stock", "fast", "batch_invariant"):
+        bench.use(mode)
+        rows = {}
+        for length in block_lengths:
+            cache = DynamicCache(config=bench.model.config) if mode == "stock" else growing_cache(bench.model.config)
+            bench.forward(cache, prefix, 1)
+            rows[length] = bench.forward(cache, block[:, :length], length)
+        logits[mode] = rows
+        if mode != "stock":
+            equal = [length for length in block_lengths[1:] if torch.equal(rows[length][0], rows[1][0])]
+            lines.append(f"{mode}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} "
+                         f"(of {block_lengths[1:]})")
+    bench.use("stock")
+    longest = max(block_lengths)
+    for mode in ("fast", "batch_invariant"):
+        difference = (logits[mode][longest] - logits["stock"][longest]).abs().max().item()
+        same_top1 = bool((logits[mode][longest].argmax(-1) == logits["stock"][longest].argmax(-1)).all())
+        lines.append(f"{mode} vs stock, {longest}-row block: max |logit difference| {difference:.2e}, same argmax {same_top1}")
+    return lines
+
+
+def breakdown(bench: ForwardBench, cache: DynamicCache, mode: str, drafted: int, repeats: int = 3) -> str:
+    """Where one forward's CPU time goes: each linear layer kind (q_proj, gate_proj, lm_head, ...,
+    summed over layers), attention (its modules less their linears), and the rest (norms,
+    rotary, residuals, embedding, Python). The median repetition by total time."""
+    bench.use(mode)
+    spent: dict[str, float] = {}
+    hooks = []
+    for name, module in bench.model.named_modules():
+        kind = name.rsplit(".", 1)[-1] if isinstance(module, torch.nn.Linear) else (
+            "attention" if type(module).__name__.endswith("Attention") else None)
+        if kind is not None:
+            hooks += [module.register_forward_pre_hook(lambda module, args: setattr(module, "_bench_started", time.thread_time())),
+                      module.register_forward_hook(partial(_charge, spent, kind))]
+    runs = []
+    try:
+        for _ in range(repeats):
+            spent.clear()
+            started = time.thread_time()
+            bench.time_block(cache, drafted)
+            runs.append((time.thread_time() - started, dict(spent)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total, parts = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    linear_total = sum(value for kind, value in parts.items() if kind != "attention")
+    parts["attention"] = parts.get("attention", 0.0) - sum(parts.get(kind, 0.0) for kind in ATTENTION_LINEARS)
+    parts["rest"] = total - linear_total - parts["attention"]
+    cells = ", ".join(f"{kind} {value * 1e3:.0f}" for kind, value in sorted(parts.items(), key=lambda item: -item[1]))
+    return f"{mode}, d={drafted} ({drafted + 1} rows): {total * 1e3:.0f} ms CPU = {cells}"
+
+
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _charge(spent: dict[str, float], kind: str, module, args, output) -> None:
+    spent[kind] = spent.get(kind, 0.0) + time.thread_time() - module._bench_started
+
+
+def breakdown_lines(bench: ForwardBench, context_length: int, modes: list[str], drafted_list: str) -> list[str]:
+    if not drafted_list:
+        return []
+    caches = bench.prefill(context_length)
+    return [breakdown(bench, caches[mode], mode, int(drafted)) for mode in modes for drafted in drafted_list.split(",")]
+
+
+def table(timings: Timings, clock: str, context_lengths: list[int], modes: list[str], drafted: list[int]) -> str:
+    header = f"| {clock} | context | mode | " + " | ".join(f"d={d} ({d + 1} rows)" for d in drafted) + " | " + " | ".join(
+        f"t({d})/t(0)" for d in drafted[1:]) + " |"
+    lines = [header, "|" + " --- |" * (3 + 2 * len(drafted) - 1)]
+    for context_length in context_lengths:
+        for mode in modes:
+            milliseconds = [timings.median_ms(clock, context_length, mode, d) for d in drafted]
+            ratios = [value / milliseconds[0] for value in milliseconds[1:]]
+            lines.append(f"| {clock} | {context_length} | {mode} | " + " | ".join(f"{value:.3g} ms" for value in milliseconds)
+                         + " | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
+    return "\n".join(lines)
+
+
+def speedup_table(timings: Timings, context_lengths: list[int], modes: list[str], drafted: list[int]) -> str:
+    """Stock's CPU time over each mode's, per block length."""
+    lines = ["| context | mode | " + " | ".join(f"stock/mode d={d}" for d in drafted) + " |",
+             "|" + " --- |" * (2 + len(drafted))]
+    for context_length in context_lengths:
+        for mode in modes:
+            if mode == "stock":
+                continue
+            cells = [timings.median_ms("cpu", context_length, "stock", d) / timings.median_ms("cpu", context_length, mode, d)
+                     for d in drafted]
+            lines.append(f"| {context_length} | {mode} | " + " | ".join(f"{cell:.2f}x" for cell in cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(timings: Timings, context_lengths: list[int], modes: list[str], drafted: list[int], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install 'spade-gateway[bench]'): no plot")
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for context_length in context_lengths:
+        for mode in modes:
+            axis.plot(drafted, [timings.median_ms("cpu", context_length, mode, d) for d in drafted], marker="o",
+                      label=f"{mode}, context {context_length}")
+    axis.set_xlabel("drafted tokens d (d + 1 rows fed)")
+    axis.set_ylabel("forward CPU ms (median)")
+    axis.set_title("Target forward time against block length")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="target: registry name, directory or .gguf; default: a tiny target built in a temp dir")
+    parser.add_argument("--gguf-file", help="GGUF file inside --model")
+    parser.add_argument("--context-lengths", default="200,1000")
+    parser.add_argument("--drafted", default=",".join(map(str, DRAFTED)), help="block lengths d (0 = one-row step)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--check-blocks", default="1,2,9,16", help="block lengths of the numerics check ('' to skip)")
+    parser.add_argument("--breakdown", default="0,8", help="block lengths d to break down by layer kind ('' to skip)")
+    parser.add_argument("--output", help="directory for forward_bench.md and forward_bench.png")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    context_lengths = [int(value) for value in args.context_lengths.split(",")]
+    drafted = [int(value) for value in args.drafted.split(",")]
+    modes = args.modes.split(",")
+    with tempfile.TemporaryDirectory(prefix="spade-forward-bench-") as workdir:
+        source = ModelSource(args.model, args.gguf_file) if args.model else tiny_source(Path(workdir))
+        loaded = load_model(source, "cpu", "float32")
+        started = time.perf_counter()
+        library = load_kernel_library(resolve_cache_dir(None))
+        print(f"kernel: {library} (build or load {time.perf_counter() - started:.1f} s)", flush=True)
+        bench = ForwardBench(loaded.model, library)
+        timings = run_timings(bench, context_lengths, modes, drafted, args.repeats)
+        breakdowns = breakdown_lines(bench, max(context_lengths), modes, args.breakdown)
+        checks = check_numerics(bench, min(context_lengths), [int(v) for v in args.check_blocks.split(",")]) if args.check_blocks else []
+    report = "\n\n".join([
+        f"{loaded.model_id}, fp32, {torch.get_num_threads()} torch thread(s), affinity {sorted(os.sched_getaffinity(0))}, "
+        f"{args.repeats} repetitions (medians), load average at the end {os.getloadavg()[0]:.2f}",
+        table(timings, "cpu", context_lengths, modes, drafted),
+        table(timings, "wall", context_lengths, modes, drafted),
+        speedup_table(timings, context_lengths, modes, drafted),
+        "CPU ms per forward by layer kind, context " + str(max(context_lengths)) + ":\n" + "\n".join(breakdowns),
+        "\n".join(checks),
+    ])
+    print("\n" + report)
+    if args.output:
+        output = Path(args.output)
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "forward_bench.md").write_text(report + "\n")
+        plot(timings, context_lengths, modes, drafted, output / "forward_bench.png")
+
+
+def tiny_source(directory: Path) -> ModelSource:
+    from spade_models.tiny import build_tiny_pair
+
+    target, _ = build_tiny_pair(directory)
+    return ModelSource(str(target))
+
+
+if __name__ == "__main__":
+    main()

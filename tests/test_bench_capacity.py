@@ -1,0 +1,92 @@
+"""The capacity benchmark on the tiny pair: a real edge recorded through the recording proxy,
+replayed by emulated edges at concurrency N against a batching verifier (every verdict as
+recorded, so the output is reproduced token for token), target-only users over the same
+prompts, and the report's arithmetic on fixed numbers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from edge_support import edge_app
+from servers import serve
+from spade_bench.capacity import record_sessions, run_level
+from spade_bench.capacity_record import VerifyRecorder, recording_app
+from spade_bench.capacity_report import SPADE, TARGET, LevelRow, UserResult, level_row, markdown_table, max_users_at
+from spade_bench.client import Generation
+from spade_bench.data import BenchItem
+from verifier_support import verifier_app
+
+ITEMS = [BenchItem("spec_bench", "1", "writing", ("Write a haiku about the sea.",)),
+         BenchItem("spec_bench", "2", "qa", ("Why is the sky blue?",))]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def verifier_url(tiny_pair):
+    with serve(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=1.0)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_pair, verifier_url):
+    recorder = VerifyRecorder()
+    with serve(recording_app(verifier_url, recorder)) as proxy_url, \
+            serve(edge_app(tiny_pair, proxy_url, draft_length=3)) as edge_url:
+        return record_sessions(edge_url, recorder, ITEMS, Generation(MAX_TOKENS))
+
+
+def test_a_recorded_session_holds_every_verify_call_of_its_request(recorded):
+    assert [session.item_id for session in recorded] == ["1", "2"]
+    for session in recorded:
+        assert session.is_clean
+        assert session.completion_tokens == MAX_TOKENS
+        assert session.num_emitted >= session.completion_tokens  # the last block may overshoot
+        assert session.calls[0].request["prefix_length"] == 0  # the first call carries the prompt
+        assert all(call.think_s >= 0.0 for call in session.calls)
+
+
+@pytest.mark.parametrize("num_users", [1, 3])
+def test_replayed_sessions_reproduce_their_recorded_verdicts(verifier_url, recorded, num_users):
+    users, delta = asyncio.run(run_level(verifier_url, SPADE, recorded, num_users, rtt_s=0.0))
+    assert [user.num_mismatches for user in users] == [0] * num_users
+    assert [user.num_calls for user in users] == [len(recorded[k % 2].calls) for k in range(num_users)]
+    assert [user.tokens for user in users] == [MAX_TOKENS] * num_users
+    assert delta["spade_verifier_queue_seconds_count"] == sum(user.num_calls for user in users)
+
+
+def test_target_only_users_generate_the_same_number_of_tokens(verifier_url, recorded):
+    users, delta = asyncio.run(run_level(verifier_url, TARGET, recorded, 2, rtt_s=0.0))
+    assert [user.tokens for user in users] == [MAX_TOKENS, MAX_TOKENS]
+    assert all(user.ttft_s is not None for user in users)
+    assert delta["spade_verifier_forward_passes_total"] == 2 * MAX_TOKENS
+
+
+def _user(mode: str, tokens: int, started: float, finished: float, ttft: float) -> UserResult:
+    return UserResult(mode, tokens, started, finished, ttft)
+
+
+def test_a_level_row_is_computed_from_its_users_and_the_metrics_delta():
+    users = [_user(SPADE, 10, 0.0, 5.0, 1.0), _user(SPADE, 20, 1.0, 5.0, 2.0), _user(SPADE, 10, 0.0, 10.0, 3.0)]
+    delta = {"process_cpu_seconds_total": 8.0, "spade_verifier_queue_seconds_sum": 0.5,
+             "spade_verifier_queue_seconds_count": 10.0, "spade_verifier_batch_sessions_sum": 25.0,
+             "spade_verifier_batch_sessions_count": 10.0}
+    row = level_row(SPADE, users, delta)
+    assert (row.tokens, row.makespan_s, row.aggregate_tok_s) == (40, 10.0, 4.0)
+    assert (row.user_tok_s_p50, row.user_tok_s_p99) == (2.0, pytest.approx(1.02))
+    assert (row.ttft_p50_s, row.ttft_p99_s) == (2.0, pytest.approx(2.98))
+    assert (row.cpu_s_per_token, row.queue_ms_mean, row.mean_batch) == (0.2, 50.0, 2.5)
+
+
+def _row(mode: str, num_users: int, aggregate: float, slowest: float) -> LevelRow:
+    return LevelRow(mode, num_users, 0, 1.0, aggregate, slowest, slowest, None, None, None, None, None, 0)
+
+
+def test_capacity_is_the_largest_n_whose_slowest_users_meet_the_target():
+    rows = [_row(TARGET, 1, 2.0, 2.0), _row(TARGET, 2, 2.2, 1.1), _row(TARGET, 4, 2.4, 0.6),
+            _row(SPADE, 1, 1.5, 1.5), _row(SPADE, 2, 3.0, 1.5), _row(SPADE, 4, 5.0, 1.2)]
+    assert (max_users_at(rows, TARGET, 1.0), max_users_at(rows, SPADE, 1.0), max_users_at(rows, SPADE, 2.0)) == (2, 4, None)
+    table = markdown_table(rows, 1.0)
+    assert "| spade | 4 | 5.00 | 2.08× |" in table
+    assert "spade: 4, target: 2" in table

@@ -1,0 +1,284 @@
+"""The verifier's CPU kernels (verifier_service/backends/cpu_kernels.py and .c).
+
+The kernel: every output equals a float64 reference within fp32 rounding, whatever the shape
+(tails of K, edges of N, 1 to 40 rows); a row's output is bitwise the same whether it is
+computed alone or among other rows, and whatever the thread count.
+
+The model: through the whole tiny target, the batch-invariant mode gives each row of an M-row
+block (M = 2..16) bitwise the logits a one-token forward at its position gives, with the kernel
+and with its torch fallback; the fast mode stays within fp32 rounding of stock transformers and
+keeps its greedy choices; removing the patch restores stock transformers exactly.
+
+The service: verify answers report the model's own time, /metrics counts forwards per block
+length, and greedy SPADE output equals target-only output with the verifier in the
+batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import random
+
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import DynamicCache
+
+from edge_support import edge_app
+from edge_support import verifier_app as full_context_verifier_app
+from servers import serve
+from spade_models.kv_cache import cache_argument_name
+from spade_models.loader import ModelSource, load_model
+from test_edge_greedy import CASES, generate
+from verifier_service.backends.cpu_kernels import (
+    apply_cpu_kernels,
+    load_kernel_library,
+    prepare_cpu_kernels,
+)
+from verifier_service.backends.growing_cache import GROWTH_TOKENS, growing_cache
+from verifier_service.metrics import block_label
+from verifier_support import (
+    greedy_block,
+    new_session_id,
+    random_tokens,
+    reference_verdict,
+    running_client,
+    verdict,
+    verifier_app,
+    verify,
+    verify_body,
+)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    built = load_kernel_library(tmp_path_factory.mktemp("kernel-cache"))
+    if built is None:
+        pytest.skip("the CPU kernel cannot be built here (needs AVX2 or AVX-512 and gcc/cc); see the warning logged")
+    return built
+
+
+@pytest.fixture
+def model(tiny_pair):
+    """A fresh copy of the tiny target per test: patching changes the model in place."""
+    return load_model(ModelSource(str(tiny_pair.target_dir))).model
+
+
+def kernel_linear(library, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int = 1):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return library.linear(rows, weight, bias)
+    finally:
+        torch.set_num_threads(previous)
+
+
+# --- the kernel -------------------------------------------------------------------------------
+
+SHAPES = [(1, 7, 5), (3, 13, 37), (9, 40, 64), (10, 41, 100), (17, 100, 130), (40, 33, 16), (2, 1, 1)]
+"""(rows, outputs, inputs): K below, at and past the vector width, N with edge columns, M in one
+group and in several."""
+
+
+@pytest.mark.parametrize("num_rows,num_outputs,num_inputs", SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_kernel_matches_a_float64_reference(library, num_rows, num_outputs, num_inputs, with_bias):
+    generator = torch.Generator().manual_seed(num_rows * 1000 + num_inputs)
+    rows, weight = torch.randn(num_rows, num_inputs, generator=generator), torch.randn(num_outputs, num_inputs, generator=generator)
+    bias = torch.randn(num_outputs, generator=generator) if with_bias else None
+    expected = torch.nn.functional.linear(rows.double(), weight.double(), None if bias is None else bias.double())
+    tolerance = 1e-6 * (num_inputs + 1) * (rows.abs().max() * weight.abs().max() + 1).item()
+    assert (kernel_linear(library, rows, weight, bias).double() - expected).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("num_rows", [2, 3, 5, 8, 9, 10, 16, 17, 40])
+def test_kernel_row_is_bitwise_the_same_alone_or_among_others(library, num_rows):
+    generator = torch.Generator().manual_seed(num_rows)
+    rows, weight, bias = torch.randn(num_rows, 100, generator=generator), torch.randn(75, 100, generator=generator), torch.randn(75, generator=generator)
+    together = kernel_linear(library, rows, weight, bias)
+    alone = torch.cat([kernel_linear(library, rows[index : index + 1].clone(), weight, bias) for index in range(num_rows)])
+    assert torch.equal(together, alone)
+
+
+def test_kernel_output_does_not_depend_on_the_thread_count(library):
+    generator = torch.Generator().manual_seed(7)
+    rows, weight = torch.randn(9, 256, generator=generator), torch.randn(700, 256, generator=generator)
+    assert torch.equal(kernel_linear(library, rows, weight, None, threads=1), kernel_linear(library, rows, weight, None, threads=2))
+
+
+# --- the whole model --------------------------------------------------------------------------
+
+
+def block_logits(model, token_ids: list[int], prefix_length: int, num_rows: int, new_cache=None) -> torch.Tensor:
+    """Logits of rows [prefix_length, prefix_length + num_rows) fed as one block after a cached prefix."""
+    cache = (new_cache or dynamic_cache)(model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([token_ids[:prefix_length]]), use_cache=True, **{cache_argument_name(model): cache})
+        block = torch.tensor([token_ids[prefix_length : prefix_length + num_rows]])
+        return model(input_ids=block, use_cache=True, **{cache_argument_name(model): cache}).logits[0]
+
+
+def dynamic_cache(config) -> DynamicCache:
+    return DynamicCache(config=config)
+
+
+def stepwise_logits(model, token_ids: list[int], prefix_length: int, num_rows: int, new_cache=None) -> torch.Tensor:
+    return torch.stack([block_logits(model, token_ids, prefix_length + row, 1, new_cache)[0] for row in range(num_rows)])
+
+
+PREFIX = 20
+TOKENS = random_tokens(random.Random(0), PREFIX + 16, 384)
+
+
+CACHES = {"dynamic": dynamic_cache, "growing": growing_cache}
+
+
+@pytest.mark.parametrize("cache_kind", CACHES)
+@pytest.mark.parametrize("linear_path", ["kernel", "torch-rowwise"])
+def test_batch_invariant_rows_are_bitwise_equal_to_one_token_steps(request, model, linear_path, cache_kind):
+    library = request.getfixturevalue("library") if linear_path == "kernel" else None
+    patch = apply_cpu_kernels(model, library, batch_invariant=True)
+    new_cache = CACHES[cache_kind]
+    steps = stepwise_logits(model, TOKENS, PREFIX, 16, new_cache)
+    unequal = [num_rows for num_rows in range(2, 17)
+               if not torch.equal(block_logits(model, TOKENS, PREFIX, num_rows, new_cache), steps[:num_rows])]
+    assert (patch.mode, unequal) == ("batch_invariant", [])
+
+
+def test_growing_cache_gives_the_logits_of_dynamic_cache_through_appends_and_crops(model):
+    """Prefill 20, then blocks of 9 with 0-9 rows cropped after each (rejected drafts), past the
+    buffer's spare room several times: every forward's logits are bitwise transformers' own."""
+    caches = [DynamicCache(config=model.config), growing_cache(model.config)]
+    rng = random.Random(4)
+    feeds = [TOKENS[:PREFIX]] + [random_tokens(rng, 9, 384) for _ in range(40)]
+    for feed in feeds:
+        with torch.inference_mode():
+            logits = [model(input_ids=torch.tensor([feed]), use_cache=True, **{cache_argument_name(model): cache}).logits
+                      for cache in caches]
+        assert torch.equal(*logits)
+        num_rejected = rng.randrange(0, 10)
+        for cache in caches:
+            cache.crop(-num_rejected)
+    lengths = [cache.get_seq_length() for cache in caches]
+    spare = [layer._key_buffer.shape[-2] - layer.keys.shape[-2] for layer in caches[1].layers]
+    assert lengths[0] == lengths[1] > PREFIX and all(0 <= room <= GROWTH_TOKENS + 9 for room in spare)
+
+
+def test_fast_mode_stays_within_fp32_rounding_of_stock_and_keeps_its_argmax(model, library):
+    stock = [block_logits(model, TOKENS, prefix, 9) for prefix in (1, PREFIX)]
+    apply_cpu_kernels(model, library, batch_invariant=False)
+    fast = [block_logits(model, TOKENS, prefix, 9) for prefix in (1, PREFIX)]
+    scale = max(logits.abs().max().item() for logits in stock)
+    assert max((a - b).abs().max().item() for a, b in zip(fast, stock)) <= 1e-5 * scale
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(fast, stock))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "batch-invariant"])
+def test_removing_the_patch_restores_stock_transformers_exactly(model, library, batch_invariant):
+    stock = block_logits(model, TOKENS, PREFIX, 9)
+    patch = apply_cpu_kernels(model, library, batch_invariant)
+    patched = block_logits(model, TOKENS, PREFIX, 9)
+    patch.remove()
+    assert (torch.equal(patched, stock), torch.equal(block_logits(model, TOKENS, PREFIX, 9), stock)) == (False, True)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_every_linear_layer_of_the_model_goes_through_the_kernel(model, library):
+    patch = apply_cpu_kernels(model, library, batch_invariant=False)
+    num_linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    assert (patch.num_linears, patch.linear_path, patch.attention) == (num_linears, f"kernel-{library.isa.lower()}", "spade_gqa")
+
+
+def test_kernels_are_not_applied_off_float32(tiny_pair):
+    model = load_model(ModelSource(str(tiny_pair.target_dir)), dtype="bfloat16").model
+    assert prepare_cpu_kernels(model, fast_kernels=True, batch_invariant=False) is None
+    with pytest.raises(ValueError, match="batch-invariant"):
+        prepare_cpu_kernels(model, fast_kernels=True, batch_invariant=True)
+
+
+def test_without_a_compiler_there_is_no_kernel_and_the_log_says_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert load_kernel_library(tmp_path) is None
+    assert "CPU kernels" in caplog.text and "no-such-compiler" in caplog.text
+
+
+def test_fast_mode_without_the_kernel_keeps_stock_linears(model):
+    patch = apply_cpu_kernels(model, None, batch_invariant=False)
+    assert (patch.linear_path, patch.num_linears, patch.attention) == ("torch", 0, "spade_gqa")
+
+
+def test_no_kernels_when_both_settings_are_off(model):
+    assert prepare_cpu_kernels(model, fast_kernels=False, batch_invariant=False) is None
+
+
+# --- the service ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_drafted,num_target_tokens,label", [
+    (0, 1, "0"), (8, 9, "8"), (16, 17, "16"), (17, 18, "17+"), (40, 41, "17+"), (3, 20, "prefill"), (0, 12, "prefill"),
+])
+def test_block_label(num_drafted, num_target_tokens, label):
+    assert block_label(num_drafted, num_target_tokens) == label
+
+
+@pytest.fixture(scope="module")
+def invariant_client(tiny_pair, library):
+    with running_client(verifier_app(tiny_pair, batch_invariant=True)) as client:
+        yield client
+
+
+def by_block_counts(client) -> dict[str, float]:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return {sample.labels["num_drafted"]: sample.value for family in families for sample in family.samples
+            if sample.name == "spade_verifier_forward_seconds_by_block_count"}
+
+
+def test_verify_answers_match_a_plain_forward_in_the_batch_invariant_mode(invariant_client, target_model):
+    rng = random.Random(3)
+    model = target_model.model
+    for num_accepted in (0, 2, 4):
+        context = random_tokens(rng, 12, 384)
+        block = greedy_block(model, context, 4, num_accepted, 384, rng)
+        answer = verify(invariant_client, verify_body(new_session_id(), [], block, new_tokens=context))
+        assert verdict(answer) == reference_verdict(model, context, block)
+
+
+def test_verify_timings_report_the_model_call_within_the_forward(invariant_client):
+    answer = verify(invariant_client, verify_body(new_session_id(), [], [5, 6, 7], new_tokens=[3, 4, 8, 9]))
+    timings = answer["timings"]
+    assert 0 < timings["model_ms"] <= timings["forward_ms"] <= timings["total_ms"]
+
+
+def test_metrics_count_forwards_per_block_length(tiny_pair, library):
+    """A fresh call prefills (label 'prefill'), its follow-up with 3 drafted tokens feeds 4 rows
+    (label '3'); a 5-token target-only completion (no EOS in it) is one prefill step and four
+    one-row steps."""
+    with running_client(verifier_app(tiny_pair)) as client:
+        first = verify(client, verify_body("s", [], [5, 6], new_tokens=[3, 4, 8, 9]))
+        committed = [3, 4, 8, 9] + [5, 6][: first["num_accepted"]] + [first["next_token"]]
+        verify(client, verify_body("s", committed, [7, 8, 9]))
+        completion = client.post("/v1/completions", json={"model": "target", "prompt": [3, 4, 5], "max_tokens": 5, "temperature": 0})
+        num_steps = completion.json()["usage"]["completion_tokens"]
+        counts = by_block_counts(client)
+    assert (num_steps, counts) == (5, {"prefill": 2.0, "3": 1.0, "0": 4.0})
+
+
+@pytest.fixture(scope="module")
+def invariant_verifier_url(tiny_pair, library):
+    with serve(full_context_verifier_app(tiny_pair, batch_invariant=True)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def invariant_target_outputs(invariant_verifier_url):
+    client = openai.OpenAI(base_url=invariant_verifier_url + "/v1", api_key="unused", max_retries=0)
+    return {case.id: generate(client, case) for case in CASES if not case.stream}
+
+
+@pytest.mark.parametrize("draft_length", ["1", "5", "8", "auto"])
+def test_greedy_output_equals_target_only_with_a_batch_invariant_verifier(tiny_pair, invariant_verifier_url,
+                                                                         invariant_target_outputs, draft_length):
+    with serve(edge_app(tiny_pair, invariant_verifier_url, draft_length=draft_length)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        outputs = {case.id: generate(client, case) for case in CASES if not case.stream}
+    assert outputs == invariant_target_outputs

@@ -1,0 +1,211 @@
+"""Two verifier replicas behind the shipped nginx pool config (docker/nginx/verifier-pool.conf),
+run by a real nginx on loopback: each session is pinned to one replica, and a replica restarted
+in the middle of a stream costs exactly one 409 resync while the output stays the target's.
+
+The replicas are real uvicorn servers on the tiny target (threads of this process, each with its
+own event loop and port); the edge is the real speculative engine whose verifier client talks
+HTTP to nginx. nginx's access log records, per request, the session header and the replica
+that answered ($upstream_addr), so the routing itself is observed, not inferred.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy_support import free_port, render_pool_config, running_nginx
+from edge_agent.app import build_engine
+from edge_agent.metrics import EdgeMetrics
+from edge_agent.settings import EdgeSettings
+from edge_agent.verifier_client import SESSION_HEADER
+from edge_support import verifier_app
+from gateway.engine import GenerationRequest
+from gateway.protocol import SpadeStats
+from gateway.sampling import SamplingConfig
+from servers import LoopbackServer
+from verifier_support import greedy_continuation
+
+KEY = "pool-key-for-tests"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPT = "The edge drafts"
+MAX_TOKENS = 60
+RESTART_BEFORE_POST = 4
+"""The replica holding the session restarts after the stream's third verify call."""
+ACCESS_LOG_FORMAT = "log_format routing '$request_method|$uri|$http_x_spade_session|$upstream_addr|$upstream_status';"
+
+
+@dataclass
+class Pool:
+    url: str
+    replicas: dict[str, LoopbackServer]
+    access_log: Path
+    tiny_pair: object
+
+    def replica_at(self, addresses: str) -> str:
+        """``127.0.0.1:PORT`` -> its replica's name; nginx lists every replica it tried."""
+        names = {f"127.0.0.1:{server.port}": name for name, server in self.replicas.items()}
+        return " > ".join(names[address.strip()] for address in addresses.split(","))
+
+    def routes(self, skip: int = 0) -> list[tuple[str, str, str, str, str]]:
+        """(method, path, session header, replica, status) per request, in order, after the
+        first ``skip`` requests."""
+        rows = []
+        for line in self.access_log.read_text().splitlines()[skip:]:
+            method, path, session, upstream, status = line.split("|")
+            rows.append((method, path, session, self.replica_at(upstream), status))
+        return rows
+
+    def restart(self, name: str) -> None:
+        server = self.replicas[name]
+        server.stop()
+        server.start(verifier_app(self.tiny_pair, api_key=KEY))  # same port, no sessions
+
+
+@pytest.fixture(scope="module")
+def pool(tiny_pair, tmp_path_factory):
+    replicas = {"verifier-a": LoopbackServer(), "verifier-b": LoopbackServer()}
+    directory = tmp_path_factory.mktemp("nginx")
+    listen_port = free_port()
+    try:
+        for server in replicas.values():
+            server.start(verifier_app(tiny_pair, api_key=KEY))
+        config = render_pool_config(directory, listen_port, {name: server.port for name, server in replicas.items()})
+        text = config.read_text().replace("http {\n", f"http {{\n    {ACCESS_LOG_FORMAT}\n")
+        config.write_text(re.sub(r"access_log (\S+);", r"access_log \1 routing;", text))
+        with running_nginx(config, listen_port) as url:
+            yield Pool(url, replicas, directory / "access.log", tiny_pair)
+    finally:
+        for server in replicas.values():
+            server.stop()
+
+
+def metrics_of(server: LoopbackServer) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    return {name: float(value) for name, value in re.findall(r"^(spade_verifier_\w+) (\S+)$", text, flags=re.MULTILINE)}
+
+
+# --- pinning ----------------------------------------------------------------------------------
+
+
+def test_requests_of_one_session_reach_one_replica_and_sessions_spread(pool):
+    session_ids = [f"edge-{uuid.uuid4().hex}" for _ in range(32)]
+    with httpx.Client(base_url=pool.url, headers=AUTH, timeout=30) as client:
+        for _ in range(2):
+            for session_id in session_ids:
+                assert client.get("/health", headers={SESSION_HEADER: session_id}).status_code == 200
+        for session_id in session_ids:  # the DELETE ending a session, without the header
+            assert client.delete(f"/v1/sessions/{session_id}").status_code == 200
+    replicas_of = defaultdict(set)
+    for method, path, session, replica, _ in pool.routes():
+        if session in session_ids:
+            replicas_of[session].add(replica)
+        elif method == "DELETE" and path.removeprefix("/v1/sessions/") in session_ids:
+            replicas_of[path.removeprefix("/v1/sessions/")].add(replica)
+    assert all(len(replicas) == 1 for replicas in replicas_of.values()) and len(replicas_of) == 32
+    assert set().union(*replicas_of.values()) == {"verifier-a", "verifier-b"}  # all on one: p = 2^-31
+
+
+# --- a replica restarted mid-stream -------------------------------------------------------------
+
+
+class RestartingTransport(httpx.AsyncHTTPTransport):
+    """The edge's real HTTP transport; before the verify POST numbered ``at`` it restarts the
+    replica holding the session (in a thread, while the stream waits between two calls)."""
+
+    def __init__(self, pool: Pool, at: int) -> None:
+        super().__init__()
+        self.pool, self.at = pool, at
+        self.num_posts = 0
+        self.before_restart: dict[str, dict[str, float]] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST" and request.url.path == "/v1/verify":
+            self.num_posts += 1
+            if self.num_posts == self.at:
+                await asyncio.to_thread(self._restart_the_holder)
+        return await super().handle_async_request(request)
+
+    def _restart_the_holder(self) -> None:
+        self.before_restart = {name: metrics_of(server) for name, server in self.pool.replicas.items()}
+        holder = next(name for name, values in self.before_restart.items() if values["spade_verifier_sessions"] == 1)
+        self.pool.restart(holder)
+
+
+@dataclass(frozen=True)
+class RestartedStream:
+    prompt_ids: list[int]
+    eos_token_ids: frozenset[int]
+    token_ids: list[int]
+    stats: SpadeStats
+    before_restart: dict[str, dict[str, float]]
+    after: dict[str, dict[str, float]]
+    routes: list[tuple[str, str, str, str, str]]
+    """This stream's requests through nginx."""
+
+
+async def _stream_through_a_restart(pool: Pool) -> RestartedStream:
+    transport = RestartingTransport(pool, RESTART_BEFORE_POST)
+    earlier_requests = len(pool.routes())
+    settings = EdgeSettings(draft_model=str(pool.tiny_pair.draft_dir), verifier_url=pool.url, draft_length="3", verifier_api_key=KEY)
+    engine = await build_engine(settings, EdgeMetrics(), transport=transport)
+    stats, token_ids = SpadeStats(), []
+    request = GenerationRequest("pool", engine.tokenizer.encode(PROMPT), MAX_TOKENS, SamplingConfig(temperature=0), engine.eos_token_ids)
+    try:
+        async for batch in engine.generate(request, stats):
+            token_ids += batch.token_ids
+    finally:
+        await engine.aclose()  # waits for the DELETE that ends the session
+    routes = [row for row in pool.routes(earlier_requests) if row[1] != "/health"]
+    after = {name: metrics_of(server) for name, server in pool.replicas.items()}
+    return RestartedStream(request.prompt_token_ids, request.eos_token_ids, token_ids, stats, transport.before_restart, after, routes)
+
+
+@pytest.fixture(scope="module")
+def restarted(pool, target_model) -> tuple[RestartedStream, list[int]]:
+    stream = asyncio.run(_stream_through_a_restart(pool))
+    return stream, greedy_continuation(target_model.model, stream.prompt_ids, MAX_TOKENS, stream.eos_token_ids)
+
+
+def holder_of(stream: RestartedStream) -> str:
+    return next(name for name, values in stream.before_restart.items() if values["spade_verifier_sessions"] == 1)
+
+
+def test_the_output_through_the_restart_is_the_targets_own(restarted):
+    stream, target_only = restarted
+    assert stream.token_ids == target_only
+    assert len(stream.token_ids) > 0 and stream.stats.verify_calls > RESTART_BEFORE_POST
+
+
+def test_the_restart_cost_exactly_one_resync(restarted):
+    stream, _ = restarted
+    assert stream.stats.resyncs == 1
+    holder = holder_of(stream)
+    assert stream.after[holder]["spade_verifier_resyncs_total"] == 1
+    assert stream.after[holder]["spade_verifier_verify_calls_total"] == stream.stats.verify_calls - (RESTART_BEFORE_POST - 1)
+
+
+def test_every_call_of_the_stream_reached_the_replica_holding_the_session(restarted):
+    stream, _ = restarted
+    holder = holder_of(stream)
+    other = ({"verifier-a", "verifier-b"} - {holder}).pop()
+    assert stream.before_restart[holder]["spade_verifier_verify_calls_total"] == RESTART_BEFORE_POST - 1
+    assert stream.before_restart[other]["spade_verifier_verify_calls_total"] == 0
+    assert stream.after[other]["spade_verifier_verify_calls_total"] == 0
+    posts = [(replica, status) for method, path, _, replica, status in stream.routes if method == "POST"]
+    assert posts == [(holder, "200")] * (RESTART_BEFORE_POST - 1) + [(holder, "409")] + [(holder, "200")] * (stream.stats.verify_calls - RESTART_BEFORE_POST + 1)
+    assert len({session for method, _, session, _, _ in stream.routes if method == "POST"}) == 1
+
+
+def test_the_session_ends_on_the_replica_holding_it(restarted):
+    stream, _ = restarted
+    holder = holder_of(stream)
+    deletes = [(replica, status) for method, _, _, replica, status in stream.routes if method == "DELETE"]
+    assert deletes == [(holder, "200")]
+    assert {name: values["spade_verifier_sessions"] for name, values in stream.after.items()} == {"verifier-a": 0, "verifier-b": 0}

@@ -1,0 +1,152 @@
+"""Batched verification (``verifier_service.backends.batching``) against one-at-a-time
+verification on the tiny target (fp32): the same verdicts for mixed block and context lengths,
+greedy and seeded sampling, target-only steps included; logits and caches close to a plain
+forward; FIFO batches with at most one call per session; batch sizes on /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from gateway.sampling import SamplingConfig
+from spade_models.kv_cache import TokenCache, cache_argument_name
+from verifier_service.backends.base import BlockToVerify
+from verifier_service.backends.batching import PendingCall, batched_forward, take_batch
+from verifier_service.backends.transformers_backend import TransformersBackend
+from verifier_support import (
+    committed_after,
+    plain_forward_logits,
+    random_tokens,
+    running_client,
+    verifier_app,
+    verify,
+    verify_body,
+    new_session_id,
+)
+
+GREEDY = SamplingConfig(temperature=0.0)
+SEEDED = SamplingConfig(temperature=0.8, top_k=0, top_p=1.0, seed=11)
+
+
+@pytest.fixture(scope="module")
+def model(target_model):
+    return target_model.model
+
+
+@pytest.fixture(scope="module")
+def vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def _filled_cache(model, token_ids: list[int]) -> TokenCache:
+    entry = TokenCache.empty(model)
+    if token_ids:
+        with torch.inference_mode():
+            model(input_ids=torch.tensor([token_ids]), use_cache=True, **{cache_argument_name(model): entry.cache})
+        entry.token_ids = list(token_ids)
+    return entry
+
+
+def test_batched_forward_matches_a_plain_forward_for_mixed_cached_and_new_lengths(model, vocab_size):
+    rng = random.Random(0)
+    cached_lengths, new_lengths = [0, 7, 20, 3], [5, 1, 9, 4]
+    contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths)]
+    entries = [_filled_cache(model, context[:c]) for context, c in zip(contexts, cached_lengths)]
+    new_ids = [context[c:] for context, c in zip(contexts, cached_lengths)]
+    logits = batched_forward(model, entries, new_ids, cache_argument_name(model), torch.device("cpu"))
+    for context, c, rows, entry in zip(contexts, cached_lengths, logits, entries):
+        assert rows.shape == (len(context) - c, vocab_size)
+        torch.testing.assert_close(rows, plain_forward_logits(model, context)[c:], atol=1e-4, rtol=1e-4)
+        assert entry.cache.get_seq_length() == len(context)
+
+
+def test_a_cache_split_back_from_a_batch_serves_the_next_one_session_forward(model, vocab_size):
+    rng = random.Random(1)
+    contexts = [random_tokens(rng, 6, vocab_size), random_tokens(rng, 15, vocab_size)]
+    entries = [TokenCache.empty(model), TokenCache.empty(model)]
+    batched_forward(model, entries, contexts, cache_argument_name(model), torch.device("cpu"))
+    follow_up = random_tokens(rng, 3, vocab_size)
+    for context, entry in zip(contexts, entries):
+        with torch.inference_mode():
+            rows = model(input_ids=torch.tensor([follow_up]), use_cache=True, **{cache_argument_name(model): entry.cache}).logits[0]
+        torch.testing.assert_close(rows, plain_forward_logits(model, context + follow_up)[-3:], atol=1e-4, rtol=1e-4)
+
+
+def _draft_probs(rng: random.Random, block: list[int], vocab_size: int) -> torch.Tensor:
+    """Each row a random distribution that gives its drafted token some mass."""
+    probs = torch.rand(len(block), vocab_size, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    probs[torch.arange(len(block)), torch.tensor(block)] += 5.0
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _round_of_blocks(rng, contexts: dict[str, list[int]], sampling: SamplingConfig, vocab_size: int) -> list[BlockToVerify]:
+    """One block per session: lengths 0 (a target-only step) to 6, greedy or sampled drafts."""
+    blocks = []
+    for session_id, context in contexts.items():
+        block = random_tokens(rng, rng.randrange(0, 7), vocab_size)
+        probs = _draft_probs(rng, block, vocab_size) if sampling.temperature > 0 and block else None
+        blocks.append(BlockToVerify(session_id, context, block, probs, sampling))
+    return blocks
+
+
+async def _verify_rounds(backend, sampling: SamplingConfig, vocab_size: int, concurrently: bool, num_rounds: int = 3):
+    """Sessions with contexts of 1-30 tokens, several rounds through their caches; returns
+    every verdict (num_accepted, next token, batch size) in session order."""
+    rng = random.Random(7)
+    contexts = {f"s{index}": random_tokens(rng, rng.randrange(1, 31), vocab_size) for index in range(6)}
+    verdicts = []
+    for _ in range(num_rounds):
+        blocks = _round_of_blocks(rng, contexts, sampling, vocab_size)
+        if concurrently:
+            answers = await asyncio.gather(*(backend.verify_block(block) for block in blocks))
+        else:
+            answers = [await backend.verify_block(block) for block in blocks]
+        for block, answer in zip(blocks, answers):
+            verdicts.append((answer.num_accepted, answer.next_token_id, answer.num_batched))
+            emitted = block.draft_token_ids[: answer.num_accepted] + [answer.next_token_id]
+            contexts[block.session_id] = block.context_token_ids + emitted
+    return verdicts
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_batched_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling):
+    async def run(max_batch_sessions: int, concurrently: bool):
+        backend = TransformersBackend(target_model)
+        backend.enable_batching(max_batch_sessions, batch_wait_s=1.0)
+        try:
+            return await _verify_rounds(backend, sampling, vocab_size, concurrently)
+        finally:
+            await backend.aclose()
+
+    alone = asyncio.run(run(1, concurrently=False))
+    batched = asyncio.run(run(6, concurrently=True))
+    assert [v[:2] for v in batched] == [v[:2] for v in alone]
+    assert {v[2] for v in alone} == {1}
+    assert {v[2] for v in batched} == {6}  # every round ran as one forward of all six sessions
+
+
+def _pending(session_id: str) -> PendingCall:
+    return PendingCall(BlockToVerify(session_id, [5], [], None, GREEDY), 0.0, future=None)
+
+
+def test_a_batch_takes_the_oldest_calls_and_at_most_one_per_session():
+    queue = [_pending(s) for s in ("a", "b", "a", "c", "d", "b")]
+    batch = take_batch(queue, max_batch_sessions=3)
+    assert [call.block.session_id for call in batch] == ["a", "b", "c"]
+    assert [call.block.session_id for call in queue] == ["a", "d", "b"]  # in arrival order
+    assert [call.block.session_id for call in take_batch(queue, 3)] == ["a", "d", "b"]
+
+
+def test_batch_sizes_and_queue_times_are_on_metrics_and_in_timings(tiny_pair, vocab_size):
+    rng = random.Random(3)
+    with running_client(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=0.0)) as client:
+        context = random_tokens(rng, 8, vocab_size)
+        answer = verify(client, verify_body(new_session_id(), [], random_tokens(rng, 3, vocab_size), new_tokens=context))
+        metrics = client.get("/metrics").text
+    assert answer["timings"]["queue_ms"] >= 0.0
+    assert "spade_verifier_batch_sessions_count 1.0" in metrics
+    assert "spade_verifier_queue_seconds_count 1.0" in metrics
+    assert committed_after(context, [], answer)[:8] == context

@@ -1,0 +1,220 @@
+"""Batched verification for the transformers backend: verify calls of different sessions that
+arrive together run as ONE forward of the target.
+
+Glossary:
+    pending     a verify call (or a target-only step) waiting for the target
+    batch       up to ``max_batch_sessions`` pending calls, at most one per session, FIFO
+    cached      tokens a session's KV cache already covers (L_i); its rows are not recomputed
+    new         the tokens a call feeds (n_i): uncached context tail + drafted block
+
+``BatchGatherer`` runs on the event loop: calls queue in arrival order; when the target is free
+the oldest call opens a batch, waits at most ``batch_wait_s`` for company, and the batch goes to
+the backend's single worker thread. While a batch runs, new calls queue, so under load batches
+fill without waiting. A session never has two calls in one batch (the second waits for the
+next), and a call is never passed over by a later one of another session: no session starves.
+
+``batched_forward`` stacks the sessions' caches and new tokens into one padded batch. Worked
+example, session A with 3 cached tokens and 2 new, B with 1 cached and 3 new (pad = ·):
+
+    keys      A: a0 a1 a2 | A3 A4 ·      B: ·  ·  b0 | B1 B2 B3
+              cache, left-padded to 3      new tokens, right-padded to 3
+    positions A: 3 4 5                     B: 1 2 3
+
+Left padding lines every cache up against the new columns (RoPE is already inside the cached
+keys, so their place in the batch does not matter); right padding keeps each real row ahead of
+its pads, so causality hides the pads from real rows, and every row, pads included, still has a
+real key to attend to (no all-masked row, no NaN). The attention mask zeroes the pad columns.
+Afterwards each session gets back its own slice of the batch's cache (pads dropped).
+
+fp32 results are not bitwise equal to a one-session forward (the GEMM's blocking changes with
+the row count), only close; verdicts agree unless two top logits are nearly tied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from spade_models.kv_cache import TokenCache
+from verifier_service.backends.base import BlockToVerify, BlockVerdict
+
+PAD_TOKEN_ID = 0
+"""Any valid id: pad rows are computed but never read."""
+UNPADDABLE_ATTENTION = frozenset({"spade_rowwise"})
+"""Attention implementations that take no mask (the batch-invariant mode): batches of these
+models run one session at a time."""
+
+
+@dataclass
+class PendingCall:
+    block: BlockToVerify
+    queued_at: float
+    future: asyncio.Future = field(repr=False)
+
+
+def take_batch(queue: list[PendingCall], max_batch_sessions: int) -> list[PendingCall]:
+    """Remove and return the oldest calls, at most one per session, keeping the others' order."""
+    batch: list[PendingCall] = []
+    sessions: set[str] = set()
+    for call in list(queue):
+        if len(batch) == max_batch_sessions:
+            break
+        if call.block.session_id not in sessions:
+            sessions.add(call.block.session_id)
+            batch.append(call)
+            queue.remove(call)
+    return batch
+
+
+class BatchGatherer:
+    """Gathers pending calls into batches and runs them one at a time on ``executor``."""
+
+    def __init__(self, run_batch: Callable[[list[PendingCall]], list[BlockVerdict]], executor: Executor,
+                 max_batch_sessions: int, batch_wait_s: float) -> None:
+        if max_batch_sessions < 1 or batch_wait_s < 0:
+            raise ValueError("max_batch_sessions must be >= 1 and batch_wait_s >= 0")
+        self._run_batch = run_batch
+        self._executor = executor
+        self.max_batch_sessions = max_batch_sessions
+        self.batch_wait_s = batch_wait_s
+        self._queue: list[PendingCall] = []
+        self._arrived = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+
+    async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append(PendingCall(block, queued_at, future))
+        self._arrived.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._serve())
+        return await future
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        for call in self._queue:
+            if not call.future.done():
+                call.future.cancel()
+        self._queue.clear()
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            await self._gather()
+            batch = take_batch(self._queue, self.max_batch_sessions)
+            try:
+                verdicts = await loop.run_in_executor(self._executor, self._run_batch, batch)
+            except Exception as error:  # every caller of the batch gets the error
+                for call in batch:
+                    _settle(call.future, error=error)
+                continue
+            for call, verdict in zip(batch, verdicts):
+                _settle(call.future, verdict=verdict)
+
+    async def _gather(self) -> None:
+        """Wait (bounded) for more sessions while the batch is not full."""
+        deadline = time.perf_counter() + self.batch_wait_s
+        while len({call.block.session_id for call in self._queue}) < self.max_batch_sessions:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
+
+def _settle(future: asyncio.Future, verdict: BlockVerdict | None = None, error: Exception | None = None) -> None:
+    if future.done():  # the caller went away (cancelled); the work is simply dropped
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(verdict)
+
+
+def batched_forward(model: PreTrainedModel, entries: Sequence[TokenCache], new_token_ids: Sequence[list[int]],
+                    cache_argument: str, device: torch.device) -> list[torch.Tensor]:
+    """One forward over every session's new tokens; each entry's cache is replaced by its slice
+    of the batch's cache (covering its old tokens + new ones). Returns per session the fp32
+    logits of its new rows, [n_i, vocab]."""
+    cached = [entry.cache.get_seq_length() for entry in entries]
+    num_new = [len(ids) for ids in new_token_ids]
+    max_cached, max_new = max(cached), max(num_new)
+    input_ids = torch.full((len(entries), max_new), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(entries), max_cached + max_new), dtype=torch.long)
+    position_ids = torch.zeros((len(entries), max_new), dtype=torch.long)
+    for row, (ids, length) in enumerate(zip(new_token_ids, cached)):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        attention_mask[row, max_cached - length : max_cached + len(ids)] = 1
+        position_ids[row] = torch.arange(length, length + max_new)
+    batch_cache = stacked_cache(model, entries, max_cached)
+    with torch.inference_mode():
+        output = model(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device), use_cache=True, **{cache_argument: batch_cache},
+        )
+    for row, entry in enumerate(entries):
+        entry.cache = session_slice(model, batch_cache, row, max_cached - cached[row], max_cached + num_new[row])
+    return [output.logits[row, : num_new[row]].float() for row in range(len(entries))]
+
+
+def stacked_cache(model: PreTrainedModel, entries: Sequence[TokenCache], max_cached: int) -> DynamicCache:
+    """The sessions' caches as one batch, each left-padded with zeros to ``max_cached``."""
+    batch_cache = DynamicCache(config=model.config)
+    if max_cached == 0:
+        return batch_cache
+    for layer_index in range(model.config.num_hidden_layers):
+        layers = [entry.cache.layers[layer_index] for entry in entries]
+        template = next(layer.keys for layer in layers if layer.get_seq_length() > 0)
+        keys = [_left_padded(layer.keys if layer.get_seq_length() else None, template, max_cached) for layer in layers]
+        values = [_left_padded(layer.values if layer.get_seq_length() else None, template, max_cached) for layer in layers]
+        batch_cache.update(torch.cat(keys), torch.cat(values), layer_index)
+    return batch_cache
+
+
+def _left_padded(states: torch.Tensor | None, template: torch.Tensor, length: int) -> torch.Tensor:
+    """[1, heads, length, dim]: ``states`` preceded by zeros (all zeros for an empty cache)."""
+    padded = template.new_zeros((1, template.shape[1], length, template.shape[3]))
+    if states is not None:
+        padded[:, :, length - states.shape[2] :] = states
+    return padded
+
+
+def session_slice(model: PreTrainedModel, batch_cache: DynamicCache, row: int, start: int, end: int) -> DynamicCache:
+    """Row ``row``'s columns [start, end) of every layer, as a cache of its own."""
+    cache = DynamicCache(config=model.config)
+    for layer_index, layer in enumerate(batch_cache.layers):
+        cache.update(layer.keys[row : row + 1, :, start:end].clone(),
+                     layer.values[row : row + 1, :, start:end].clone(), layer_index)
+    return cache
+
+
+def accepts_padding(model: PreTrainedModel) -> bool:
+    return getattr(model.config, "_attn_implementation", None) not in UNPADDABLE_ATTENTION
+
+
+def verify_batch(backend, batch: list[PendingCall]) -> list[BlockVerdict]:
+    """The backend's verify for several sessions at once (runs on its worker thread). A batch
+    of one takes the backend's own one-session path, unchanged."""
+    if len(batch) == 1 or not accepts_padding(backend._model):
+        return [backend._verify(call.block, call.queued_at) for call in batch]
+    started = time.perf_counter()
+    entries = [backend._caches.pop(call.block.session_id, None) or TokenCache.empty(backend._model) for call in batch]
+    new_token_ids = [entry.reuse_for(call.block.context_token_ids) + call.block.draft_token_ids
+                     for entry, call in zip(entries, batch)]
+    logits = batched_forward(backend._model, entries, new_token_ids, backend._cache_argument, backend._device)
+    verdicts = []
+    for entry, call, ids, rows in zip(entries, batch, new_token_ids, logits):
+        # The scored rows are the block's: the last context token's, then each drafted token's.
+        scored = rows[len(ids) - call.block.num_drafted - 1 :]
+        verdicts.append(backend._conclude(entry, call.block, len(ids), scored, call.queued_at, started, len(batch)))
+    return verdicts

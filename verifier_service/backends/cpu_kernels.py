@@ -1,0 +1,233 @@
+"""CPU kernels for the target's forward: a block of d + 1 rows at about the cost of one row.
+
+On CPU the target's forward is its linear layers (87-92 % of a Qwen2.5-1.5B forward), and
+torch's fp32 GEMM pays for every extra row: a 9-row block cost 2-3x a one-row step. The kernel
+in ``cpu_kernels.c`` (built here with the system C compiler, cached per source and ISA) reads
+each weight row once for all rows of the block, straight from the model's own nn.Linear weights
+(nothing is copied or repacked; the transformers model stays the source of truth). See the C
+file for why each row's result is bitwise independent of how many rows share the call.
+
+Two modes, applied to a loaded fp32 model on CPU by ``apply_cpu_kernels``:
+
+- fast (default): every nn.Linear through the kernel; attention as transformers' eager one
+  without its per-head copies of the KV cache (``cpu_attention.gqa_attention``).
+- batch-invariant: the same linears, and attention one query row at a time against exactly the
+  keys it sees (``cpu_attention.rowwise_attention``), so a row's logits do not depend on how many
+  rows share the forward: greedy SPADE output equals target-only output by construction, not
+  by observation. Without a C compiler it still holds, with each linear run row by row through
+  torch (slow).
+
+Both are undone by ``CpuKernelPatch.remove()``, which restores the stock modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from verifier_service.backends.cpu_attention import GQA_ATTENTION, ROWWISE_ATTENTION, register_attention
+
+logger = logging.getLogger(__name__)
+
+KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ISA_FLAGS = {"AVX512": ("-mavx512f", "-mfma"), "AVX2": ("-mavx2", "-mfma")}
+"""torch's CPU capability -> compiler flags; the C file picks its vector width from them."""
+COMPILE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    """The compiled kernel, loaded."""
+
+    library: ctypes.CDLL = field(repr=False)
+    isa: str
+    path: Path
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, K] @ weight[N, K]^T + bias: fp32, contiguous, on CPU."""
+        num_rows, num_inputs = rows.shape
+        output = torch.empty(num_rows, weight.shape[0], dtype=torch.float32)
+        self.library.spade_linear(
+            rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), output.data_ptr(),
+            num_rows, weight.shape[0], num_inputs, torch.get_num_threads(),
+        )
+        return output
+
+
+def cpu_isa() -> str | None:
+    """The vector ISA the kernel can be built for here (``AVX512``, ``AVX2``), else None."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in ISA_FLAGS else None
+
+
+def load_kernel_library(cache_dir: Path) -> KernelLibrary | None:
+    """Build (once per source, ISA and compiler) and load the kernel; None when this machine
+    cannot (no AVX2/AVX-512, no C compiler), with the reason logged."""
+    isa = cpu_isa()
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if isa is None or compiler is None:
+        logger.warning("CPU kernels unavailable: %s", "no AVX2/AVX-512" if isa is None else "no C compiler (gcc/cc)")
+        return None
+    path = cache_dir / "kernels" / f"cpu_kernels-{isa.lower()}-{kernel_digest(compiler, isa)}.so"
+    try:
+        if not path.is_file() and not compile_kernel(compiler, ISA_FLAGS[isa], path):
+            return None
+        library = ctypes.CDLL(str(path))
+    except OSError as error:  # an unwritable cache, a library that does not load
+        logger.warning("CPU kernels unavailable: %s", error)
+        return None
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    library.spade_linear.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
+    library.spade_linear.restype = None
+    return KernelLibrary(library, isa, path)
+
+
+def kernel_digest(compiler: str, isa: str) -> str:
+    """Changes with the source, the ISA and the compiler's version."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    hasher = hashlib.sha256(KERNEL_SOURCE.read_bytes())
+    hasher.update(f"\x00{isa}\x00{compiler}\x00{version}".encode())
+    return hasher.hexdigest()[:16]
+
+
+def compile_kernel(compiler: str, isa_flags: tuple[str, ...], path: Path) -> bool:
+    """Compile into a sibling temp file, then rename (concurrent starts race safely). OpenMP
+    only splits weight rows across --threads, so a compiler without it still builds a kernel."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".so")
+    os.close(handle)
+    base = [compiler, "-O3", "-fPIC", "-shared", *isa_flags, "-o", staging, str(KERNEL_SOURCE)]
+    try:
+        for command in (base[:1] + ["-fopenmp"] + base[1:], base):
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+            except (OSError, subprocess.SubprocessError) as error:
+                logger.warning("CPU kernels: %s failed: %s", compiler, error)
+                return False
+            if result.returncode == 0:
+                os.chmod(staging, 0o755)
+                os.replace(staging, path)
+                logger.info("CPU kernels built: %s", path)
+                return True
+        logger.warning("CPU kernels: compiling %s failed:\n%s", KERNEL_SOURCE.name, result.stderr[-2000:])
+        return False
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+
+
+# --- patching a model -------------------------------------------------------------------------
+
+
+@dataclass
+class CpuKernelPatch:
+    """What ``apply_cpu_kernels`` changed on a model, and how to undo it."""
+
+    model: nn.Module = field(repr=False)
+    mode: str
+    """``fast`` or ``batch_invariant``."""
+    linear_path: str
+    """``kernel-avx512``, ``kernel-avx2``, ``torch`` (fast mode without the kernel: stock
+    F.linear) or ``torch-rowwise`` (batch-invariant without the kernel)."""
+    num_linears: int
+    attention: str
+    previous_attention: str = field(repr=False, default="eager")
+    patched: list[nn.Linear] = field(repr=False, default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.mode}: {self.num_linears} linear layers on {self.linear_path}, attention {self.attention}"
+
+    def remove(self) -> None:
+        """Restore the stock forward of every patched module and the previous attention."""
+        for module in self.patched:
+            del module.forward  # the instance attribute shadowed the class's forward
+        self.patched.clear()
+        set_attention(self.model, self.previous_attention)
+
+
+def apply_cpu_kernels(model: nn.Module, library: KernelLibrary | None, batch_invariant: bool) -> CpuKernelPatch:
+    """Route the model's linears through the kernel and switch its attention, in place."""
+    if next(model.parameters()).device.type != "cpu" or model.dtype != torch.float32:
+        raise ValueError("the CPU kernels take a float32 model on the CPU")
+    register_attention()
+    previous = model.config._attn_implementation
+    attention = ROWWISE_ATTENTION if batch_invariant else GQA_ATTENTION
+    linears = [module for module in model.modules() if is_patchable(module)]
+    if library is not None:
+        forward, linear_path = kernel_forward(library), f"kernel-{library.isa.lower()}"
+    elif batch_invariant:
+        forward, linear_path = rowwise_forward, "torch-rowwise"
+    else:
+        forward, linear_path, linears = None, "torch", []
+    for module in linears:
+        module.forward = types.MethodType(forward, module)
+    set_attention(model, attention)
+    mode = "batch_invariant" if batch_invariant else "fast"
+    return CpuKernelPatch(model, mode, linear_path, len(linears), attention, previous, linears)
+
+
+def is_patchable(module: nn.Module) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.weight.dtype == torch.float32
+        and module.weight.is_contiguous()
+        and (module.bias is None or module.bias.is_contiguous())
+    )
+
+
+def set_attention(model: nn.Module, implementation: str) -> None:
+    if model.config._attn_implementation != implementation:
+        model.set_attn_implementation(implementation)
+
+
+def kernel_forward(library: KernelLibrary):
+    def forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype != torch.float32 or input.device.type != "cpu" or (input.requires_grad and torch.is_grad_enabled()):
+            return nn.functional.linear(input, module.weight, module.bias)
+        rows = input.reshape(-1, input.shape[-1]).contiguous()
+        return library.linear(rows, module.weight, module.bias).view(*input.shape[:-1], module.weight.shape[0])
+
+    return forward
+
+
+def rowwise_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """One F.linear call per row, each on a fresh (equally aligned) one-row tensor: the exact
+    computation of a one-token step, whatever the block size."""
+    rows = input.reshape(-1, input.shape[-1])
+    outputs = [nn.functional.linear(row.clone(), module.weight, module.bias) for row in rows.split(1)]
+    output = torch.cat(outputs) if outputs else rows.new_empty(0, module.weight.shape[0])
+    return output.view(*input.shape[:-1], module.weight.shape[0])
+
+
+def prepare_cpu_kernels(model: nn.Module, fast_kernels: bool, batch_invariant: bool,
+                        cache_dir: str | Path | None = None) -> CpuKernelPatch | None:
+    """What the transformers backend calls on its freshly loaded model: the kernels where they
+    apply (CPU, float32), stock transformers elsewhere. ``batch_invariant`` cannot be met
+    elsewhere, so it raises instead."""
+    if not (fast_kernels or batch_invariant):
+        return None
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
+        if batch_invariant:
+            raise ValueError("--batch-invariant needs --device cpu and --dtype float32")
+        logger.info("CPU kernels not applied: the model is %s on %s", parameter.dtype, parameter.device)
+        return None
+    from spade_models.pull import resolve_cache_dir
+
+    patch = apply_cpu_kernels(model, load_kernel_library(resolve_cache_dir(cache_dir)), batch_invariant)
+    logger.info("CPU kernels: %s", patch.describe())
+    return patch
