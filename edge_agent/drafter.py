@@ -36,15 +36,20 @@ class DraftBlock:
 
 
 class DraftSession(Protocol):
-    def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock: ...
-
-    def observe(self, num_accepted: int, next_token_id: int) -> None: ...
+    def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
+        """Draft ``num_tokens`` after ``context``; the session's cache follows whatever context
+        it is given (rejected drafts are rolled back here, at the next proposal)."""
+        ...
 
     def close(self) -> None: ...
 
 
 class Drafter(Protocol):
     def start_session(self) -> DraftSession: ...
+
+    def close(self) -> None:
+        """Free what the drafter holds; the engine calls it once, at shutdown."""
+        ...
 
 
 @dataclass
@@ -63,13 +68,14 @@ class ModelDrafter:
     def start_session(self) -> "ModelDraftSession":
         return ModelDraftSession(self)
 
+    def close(self) -> None:
+        """Nothing to free: each session's cache goes with the session."""
+
 
 @dataclass
 class ModelDraftSession:
     drafter: ModelDrafter
     entry: TokenCache | None = None
-    _last_context_length: int = field(default=0, repr=False)
-    _last_block: list[int] = field(default_factory=list, repr=False)
 
     def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
         """``num_tokens`` drafted tokens following ``context`` (one forward per token)."""
@@ -86,13 +92,7 @@ class ModelDraftSession:
             if distribution is not None:
                 distributions.append(distribution)
             pending = [token_id]
-        self._last_context_length, self._last_block = len(context), token_ids
         return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
-
-    def observe(self, num_accepted: int, next_token_id: int) -> None:
-        """Drop the cache entries of rejected drafts now rather than at the next proposal."""
-        if self.entry is not None:
-            self.entry.crop_to(self._last_context_length + num_accepted)
 
     def close(self) -> None:
         self.entry = None

@@ -251,3 +251,5 @@ class SpeculativeEngine:
         with contextlib.suppress(Exception):
             await self._client.aclose()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        # A proposal still running in the executor holds the drafter's lock: close waits for it.
+        await asyncio.to_thread(self._drafter.close)

@@ -206,7 +206,6 @@ class LlamaCppDrafter:
                 if distribution is not None:
                     distributions.append(distribution)
                 pending = [token_id]
-            session.last_context_length = len(context)
             return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
 
     def _is_live(self, session: "LlamaCppDraftSession") -> bool:
@@ -216,11 +215,6 @@ class LlamaCppDrafter:
     def _num_kv_tokens(self, session: "LlamaCppDraftSession") -> int:
         with self._lock:
             return self._context.memory_seq_pos_max(session.seq_id) + 1 if self._is_live(session) else 0
-
-    def _crop(self, session: "LlamaCppDraftSession", length: int) -> None:
-        with self._lock:
-            if self._is_live(session) and length < len(session.cached_token_ids):
-                self._remove_from(session, length)
 
     def _release(self, session: "LlamaCppDraftSession") -> None:
         with self._lock:
@@ -326,7 +320,6 @@ class LlamaCppDraftSession:
     seq_id: int
     cached_token_ids: list[int] = field(default_factory=list)
     """The tokens whose KV the sequence holds, at positions 0, 1, ..."""
-    last_context_length: int = 0
 
     def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
         """``num_tokens`` drafted tokens following ``context`` (one decode per token, after
@@ -337,10 +330,6 @@ class LlamaCppDraftSession:
     def num_kv_tokens(self) -> int:
         """Positions llama.cpp holds for this sequence (equals ``len(cached_token_ids)``)."""
         return self.drafter._num_kv_tokens(self)
-
-    def observe(self, num_accepted: int, next_token_id: int) -> None:
-        """Drop the cache entries of rejected drafts now rather than at the next proposal."""
-        self.drafter._crop(self, self.last_context_length + num_accepted)
 
     def close(self) -> None:
         """Free the sequence's cache and hand its id back (idempotent)."""

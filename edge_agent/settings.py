@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from edge_agent.draft_length import parse_draft_length
-from edge_agent.verifier_client import ClientSettings
 from gateway.settings import ServiceSettings
+
+if TYPE_CHECKING:  # the client pulls in torch via the wire module; --help must not
+    from edge_agent.verifier_client import ClientSettings
 
 
 class EdgeSettings(ServiceSettings):
@@ -38,7 +40,6 @@ class EdgeSettings(ServiceSettings):
     verifier_api_key: str | None = Field(None, description="API key the edge sends to the verifier (Authorization: Bearer).")
     verifier_api_key_file: str | None = Field(None, description="File holding the verifier API key (its first line).")
     trusted_hosts: str | None = Field(None, description="Host headers the edge answers, comma-separated ('*' = any); default: the loopback names when listening on loopback (DNS rebinding), any otherwise.")
-    log_level: str = Field("info", description="Logging level.")
 
     @field_validator("draft_length")
     @classmethod
@@ -47,6 +48,8 @@ class EdgeSettings(ServiceSettings):
         return value
 
     def client_settings(self) -> ClientSettings:
+        from edge_agent.verifier_client import ClientSettings
+
         return ClientSettings(
             timeout_s=self.verify_timeout_s, retries=self.verify_retries, circuit_open_s=self.circuit_open_s,
             api_key=self.verifier_key(),

@@ -1,20 +1,50 @@
 """Command-line flags generated from a settings class, so flags, env vars and defaults are
 defined once: ``--max-draft-tokens`` for field ``max_draft_tokens``, its help the field's
-description, its default whatever the environment (SPADE_*_MAX_DRAFT_TOKENS) or the class says."""
+description, its default whatever the environment (SPADE_*_MAX_DRAFT_TOKENS) or the class says.
+
+Only argparse and pydantic are imported before the flags are parsed: ``--help`` and
+``--version`` answer in a fraction of a second, and the web server, torch and the models are
+imported once there is something to serve (``create_app`` is handed in as a callable)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
+import typing
 from collections.abc import Callable
 
-import torch
-import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
-from gateway.lifecycle import SHUTDOWN_MARGIN_S, DrainingServer
-from gateway.security import check_exposure
+DISTRIBUTION = "spade-gateway"
+
+
+def package_version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or "unknown" from a bare tree."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def add_version_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+
+
+def plain_text(text: str) -> str:
+    """A docstring as terminal help: reST's ``literal`` markers dropped."""
+    return text.replace("``", "")
+
+
+def allowed_values(annotation) -> tuple[str, ...]:
+    """The values of a ``Literal[...]`` setting (also inside ``Optional``), else ()."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return tuple(str(value) for value in typing.get_args(annotation))
+    for member in typing.get_args(annotation):
+        if typing.get_origin(member) is typing.Literal:
+            return allowed_values(member)
+    return ()
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
@@ -24,14 +54,21 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         env_name = f"{env_prefix}{name}".upper()
         default = "(none)" if field.default is None else field.default
         # A bool setting given alone is true (--allow-no-auth); a value still works (--overlap false).
-        switch = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
+        switch = {"nargs": "?", "const": "true", "metavar": "BOOL"} if field.annotation is bool else {}
+        # Allowed values go in the help, not argparse choices: pydantic validates (and may
+        # normalise, e.g. INFO -> info) and its message names the flag.
+        values = allowed_values(field.annotation)
+        choices = f" One of: {', '.join(values)}." if values else ""
         parser.add_argument(
             flag,
             dest=name,
             default=argparse.SUPPRESS,
-            help=f"{field.description} [env {env_name}; default {default}]",
+            help=f"{plain_text(field.description or '')}{choices} [env {env_name}; default {default}]",
             **switch,
         )
+        if field.annotation is bool:
+            parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const="false",
+                                default=argparse.SUPPRESS, help=f"Same as {flag} false.")
 
 
 def settings_from_arguments(parser: argparse.ArgumentParser, arguments: argparse.Namespace, settings_class: type[BaseSettings]) -> BaseSettings:
@@ -46,15 +83,26 @@ def settings_from_arguments(parser: argparse.ArgumentParser, arguments: argparse
 
 def run_service(prog: str, description: str, settings_class: type[BaseSettings], create_app: Callable, argv: list[str] | None) -> None:
     """Parse flags into settings, set up logging and torch threads, serve the app."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=plain_text(description))
+    add_version_argument(parser)
     add_settings_arguments(parser, settings_class)
     settings = settings_from_arguments(parser, parser.parse_args(argv), settings_class)
+    # Heavy imports only now that there is something to serve.
+    import uvicorn
+
+    from gateway.lifecycle import SHUTDOWN_MARGIN_S, DrainingServer
+    from gateway.security import check_exposure
+
     try:
         check_exposure(settings.host, settings.api_keys(), settings.allow_no_auth)
     except (ValueError, OSError) as error:
         parser.error(str(error))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level != "debug":  # httpx logs every call at INFO: one line per verify call and health poll
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if settings.threads:
+        import torch
+
         torch.set_num_threads(settings.threads)
     app = create_app(settings)
     config = uvicorn.Config(

@@ -4,11 +4,13 @@ env var of both services (``--api-key``, SPADE_VERIFIER_API_KEY / SPADE_EDGE_API
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings
 
-from gateway.limits import RequestLimits
-from gateway.security import load_api_keys
+if TYPE_CHECKING:  # the settings module stays light: a CLI's --help imports it and nothing heavy
+    from gateway.limits import RequestLimits
 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
@@ -26,11 +28,21 @@ class ServiceSettings(BaseSettings):
     shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, in-flight requests get this long to finish; streams still running then end with an error event and [DONE].")
     ssl_certfile: str | None = Field(None, description="TLS certificate (PEM) to serve HTTPS directly; usually a reverse proxy terminates TLS instead.")
     ssl_keyfile: str | None = Field(None, description="TLS private key (PEM) for --ssl-certfile.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Logging level of the service and its web server (any case).")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_log_level(cls, value):
+        return value.lower() if isinstance(value, str) else value
 
     def api_keys(self) -> frozenset[str]:
+        from gateway.security import load_api_keys
+
         return load_api_keys(self.api_key, self.api_key_file)
 
     def request_limits(self) -> RequestLimits:
+        from gateway.limits import RequestLimits
+
         return RequestLimits(
             max_tokens_cap=self.max_tokens_cap,
             default_max_tokens=self.default_max_tokens,

@@ -228,27 +228,35 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spade-bench capacity", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    from gateway.cli import add_version_argument, plain_text
+
+    doc = plain_text(__doc__)
+    parser = argparse.ArgumentParser(prog="spade-bench capacity", description=doc.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc.split("\n", 1)[1])
+    add_version_argument(parser)
     parser.add_argument("--data", action="append", default=[], metavar="PATH", help="Spec-Bench or CNN/DM .jsonl")
     parser.add_argument("--limit", type=int, default=1, help="items per category (default 1)")
-    parser.add_argument("--categories", default="", help="comma list of categories to keep")
+    parser.add_argument("--categories", default="", help="comma list of categories to keep (default all)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per user (default 32)")
     parser.add_argument("--users", type=_ints, default=(1, 2, 4, 8), help="comma list of N (default 1,2,4,8)")
-    parser.add_argument("--modes", default="spade,target", help="spade and/or target")
-    parser.add_argument("--batch-sessions", type=_ints, default=(1,), help="verifier --max-batch-sessions values, one verifier each")
-    parser.add_argument("--rtt-ms", type=float, default=20.0, help="link round trip per verify call / target request")
-    parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target")
-    parser.add_argument("--draft-length", default="8")
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--draft", default=DEFAULT_DRAFT)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--verifier-args", type=shlex.split, default=())
-    parser.add_argument("--edge-args", type=shlex.split, default=())
+    parser.add_argument("--modes", default="spade,target", help="comma list: spade and/or target (default spade,target)")
+    parser.add_argument("--batch-sessions", type=_ints, default=(1,),
+                        help="comma list of verifier --max-batch-sessions values, one verifier each (default 1)")
+    parser.add_argument("--rtt-ms", type=float, default=20.0, help="link round trip per verify call / target request (default 20)")
+    parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target (default 1.0)")
+    parser.add_argument("--draft-length", default="8", help="the recording edge's --draft-length (default 8)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
+    parser.add_argument("--dtype", default="float32", help="both services' --dtype (default float32)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per service (default 1)")
+    parser.add_argument("--verifier-args", type=shlex.split, default=(), help="extra spade-verifier flags, one quoted string")
+    parser.add_argument("--edge-args", type=shlex.split, default=(), help="extra spade-edge flags, one quoted string")
+    parser.add_argument("--startup-timeout-s", "--startup-timeout", dest="startup_timeout_s", metavar="S", type=float,
+                        default=CapacityConfig.startup_timeout_s,
+                        help=f"seconds to wait for a service's /health (default {CapacityConfig.startup_timeout_s:g})")
     parser.add_argument("--recording", type=Path, help="replay this recording.jsonl instead of recording")
     parser.add_argument("--quick", action="store_true", help="the tiny pair (built under --output), 16 tokens")
-    parser.add_argument("--output", type=Path, default=Path("capacity_results"))
+    parser.add_argument("--output", type=Path, default=Path("capacity_results"), help="results directory (default capacity_results)")
     return parser
 
 
@@ -262,7 +270,8 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
         max_tokens=args.max_tokens, draft_length=args.draft_length, user_counts=args.users,
         modes=tuple(m for m in args.modes.split(",") if m), batch_sessions=args.batch_sessions,
         rtt_ms=args.rtt_ms, user_tokens_per_s=args.user_tokens_per_s, placement=Placement.default(args.threads),
-        verifier_args=tuple(args.verifier_args), edge_args=tuple(args.edge_args), recording=args.recording)
+        verifier_args=tuple(args.verifier_args), edge_args=tuple(args.edge_args), recording=args.recording,
+        startup_timeout_s=args.startup_timeout_s)
     if args.quick:
         from spade_models.tiny import build_tiny_pair
 

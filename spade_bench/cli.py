@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gateway.cli import add_version_argument, plain_text
 from spade_bench.config import DRAFT_BACKENDS, MODES, BenchConfig, ModelPair, NetworkSweep, Placement
 from spade_bench.data import DataSelection, load_items
 
@@ -31,6 +32,10 @@ BENCH_EXTRA_MODULES = ("matplotlib", "rouge_score")
 only once the flags are parsed, so --help works on a plain install; a run without them says
 which extra to install instead of failing with a traceback."""
 BENCH_EXTRA_HINT = "pip install 'spade-gateway[bench]'"
+
+CAPACITY_EPILOG = """
+    spade-bench capacity --help         # the other benchmark: how many edges one verifier serves
+"""
 
 
 
@@ -63,16 +68,19 @@ def _cores(text: str) -> tuple[int, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spade-bench", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    doc = plain_text(__doc__)
+    parser = argparse.ArgumentParser(prog="spade-bench", description=doc.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=doc.split("\n", 1)[1] + CAPACITY_EPILOG)
+    add_version_argument(parser)
     parser.add_argument("--data", action="append", default=[], metavar="PATH",
                         help="Spec-Bench question .jsonl or CNN/DM .jsonl (repeatable)")
-    parser.add_argument("--output", type=Path, default=Path("bench_results"), help="results directory")
-    parser.add_argument("--limit", type=int, help="at most N items per category (a CNN/DM file is one category)")
-    parser.add_argument("--categories", type=_csv, default=(), help="comma list of categories to keep")
+    parser.add_argument("--output", type=Path, default=Path("bench_results"), help="results directory (default bench_results)")
+    parser.add_argument("--limit", type=int, help="at most N items per category (a CNN/DM file is one category; default all)")
+    parser.add_argument("--categories", type=_csv, default=(), help="comma list of categories to keep (default all)")
     parser.add_argument("--max-tokens", type=int, help="tokens per request (default 128)")
-    parser.add_argument("--max-article-chars", type=int, help="cut CNN/DM articles to this length")
-    parser.add_argument("--modes", type=_csv, default=MODES, help=f"comma list of {', '.join(MODES)}")
+    parser.add_argument("--max-article-chars", type=int, help="cut CNN/DM articles to this length (default whole)")
+    parser.add_argument("--modes", type=_csv, default=MODES, help=f"comma list of {', '.join(MODES)} (default all three)")
     parser.add_argument("--draft-length", type=_csv, help="comma list of edge draft lengths and/or auto (default 4,8,auto)")
     parser.add_argument("--draft-backend", type=_csv, default=BenchConfig.draft_backends,
                         help=f"comma list of the edge's drafter backends among {', '.join(DRAFT_BACKENDS)} (default auto)")
@@ -80,23 +88,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comma list of on/off: the edge drafts the next block while one is verified (default on)")
     parser.add_argument("--rtt-ms", type=lambda text: tuple(float(v) for v in _csv(text)),
                         help="comma list of round-trip times (default 0,10,50,100)")
-    parser.add_argument("--jitter-ms", type=float, default=0.0, help="+/- one-way jitter per chunk")
-    parser.add_argument("--bandwidth-mbps", type=float, default=100.0, help="link cap per direction; 0 = none")
-    parser.add_argument("--target", help="target model (registry name, directory, hub id or .gguf)")
-    parser.add_argument("--draft", help="draft model")
-    parser.add_argument("--target-gguf-file")
-    parser.add_argument("--draft-gguf-file")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--edge-cores", type=_cores, help="cores for the edge (default: first core)")
-    parser.add_argument("--verifier-cores", type=_cores, help="cores for the verifier (default: second core)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per service")
+    parser.add_argument("--jitter-ms", type=float, default=0.0, help="+/- one-way jitter per chunk (default 0)")
+    parser.add_argument("--bandwidth-mbps", type=float, default=100.0, help="link cap per direction; 0 = none (default 100)")
+    parser.add_argument("--target", help=f"target model: registry name, directory, hub id or .gguf (default {ModelPair.target})")
+    parser.add_argument("--draft", help=f"draft model, same forms (default {ModelPair.draft})")
+    parser.add_argument("--target-gguf-file", help="GGUF file inside a --target directory or hub repo")
+    parser.add_argument("--draft-gguf-file", help="GGUF file inside a --draft directory or hub repo")
+    parser.add_argument("--dtype", default="float32", help="both services' --dtype: float32, bfloat16 or float16 (default float32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy, Spec-Bench's protocol (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed sent with every request (default 0)")
+    parser.add_argument("--edge-cores", type=_cores, help="comma list of cores for the edge (default: the first core)")
+    parser.add_argument("--verifier-cores", type=_cores, help="comma list of cores for the verifier (default: the second core)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per service, torch's and llama.cpp's (default 1)")
     parser.add_argument("--verifier-args", type=shlex.split, default=(),
                         help='extra flags for spade-verifier, one string: "--max-sessions 64"')
     parser.add_argument("--edge-args", type=shlex.split, default=(),
                         help='extra flags for spade-edge, one string: "--verify-timeout-s 300"')
-    parser.add_argument("--startup-timeout", type=float, help="seconds to wait for a service's /health")
+    parser.add_argument("--startup-timeout-s", "--startup-timeout", dest="startup_timeout", metavar="S", type=float,
+                        help=f"seconds to wait for a service's /health (default {BenchConfig.startup_timeout_s:g}; "
+                             f"{QuickPreset.startup_timeout_s:g} with --quick)")
     parser.add_argument("--quick", action="store_true", help="tiny model pair, 1 item per category, 2 RTTs")
     parser.add_argument("--report-only", type=Path, metavar="RESULTS",
                         help="redo tables and plots from a results.json or requests.jsonl into --output; "

@@ -7,6 +7,7 @@ finished request on disk (``spade-bench --report-only DIR/requests.jsonl`` repor
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -21,6 +22,8 @@ from spade_bench.records import RequestRecord
 from spade_bench.report import Summaries, load_records, markdown_report, write_results
 from spade_bench.runner import BenchRunner
 
+logger = logging.getLogger(__name__)
+
 RESULTS_FILE = "results.json"
 RECORDS_FILE = "requests.jsonl"
 SUMMARY_FILE = "summary.md"
@@ -34,13 +37,17 @@ def run_session(config: BenchConfig, items: list[BenchItem], environment: dict, 
     started = time.time()
     load_at_start = os.getloadavg()
     with (config.output_dir / RECORDS_FILE).open("w") as stream, \
-            tqdm(total=0, unit="req", disable=not show_progress, dynamic_ncols=True) as bar:
+            tqdm(total=0, unit="req", dynamic_ncols=True,
+                 disable=None if show_progress else True) as bar:  # None: no bar through a pipe
         def on_record(record: RequestRecord) -> None:
             records.append(record)
             stream.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
             stream.flush()
             bar.update(1)
             bar.set_postfix_str(f"{record.label} {record.tokens_per_s:.1f} tok/s", refresh=False)
+            if bar.disable and show_progress:  # through a pipe: a line per request instead of the bar
+                logger.info("%d/%d %s rtt=%g %s: %.2f tok/s", len(records), runner.num_requests, record.label,
+                            record.rtt_ms, record.category, record.tokens_per_s)
 
         runner = BenchRunner(config, items, on_record, on_progress=bar.set_description)
         bar.total = runner.num_requests

@@ -23,7 +23,10 @@ logger = logging.getLogger("spade_models")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spade-models", description=__doc__.split("\n\n")[0])
+    from gateway.cli import add_version_argument, plain_text
+
+    parser = argparse.ArgumentParser(prog="spade-models", description=plain_text(__doc__.split("\n\n")[0]))
+    add_version_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     commands = parser.add_subparsers(dest="command", required=True)
 

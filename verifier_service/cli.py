@@ -4,8 +4,14 @@ OpenAI endpoint (target-only decoding)."""
 from __future__ import annotations
 
 from gateway.cli import run_service
-from verifier_service.app import create_app
 from verifier_service.settings import VerifierSettings
+
+
+def create_app(settings: VerifierSettings):
+    """Imported on call: the app pulls in torch and the backend, which --help never needs."""
+    from verifier_service.app import create_app as create_verifier_app
+
+    return create_verifier_app(settings)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from gateway.settings import ServiceSettings
 
-from verifier_service.service import VerifyLimits
-from verifier_service.sessions import SessionLimits
+if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and must not
+    from verifier_service.service import VerifyLimits
+    from verifier_service.sessions import SessionLimits
 
 
 class VerifierSettings(ServiceSettings):
@@ -39,10 +40,13 @@ class VerifierSettings(ServiceSettings):
     vllm_block_size: int = Field(32, ge=1, description="--backend vllm: KV block size (CPU attention needs a multiple of 32).")
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="--backend vllm: KV cache size in GiB (must hold the model's context length).")
     vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field("sample_match", description="--backend vllm, temperature > 0: vLLM samples each position and drafts are matched (sample_match), or full-vocabulary logprobs feed the acceptance rule (full_logprobs, heavy).")
-    log_level: str = Field("info", description="Logging level.")
 
     def session_limits(self) -> SessionLimits:
+        from verifier_service.sessions import SessionLimits
+
         return SessionLimits(self.max_sessions, self.max_session_tokens, self.session_ttl_s)
 
     def verify_limits(self) -> VerifyLimits:
+        from verifier_service.service import VerifyLimits
+
         return VerifyLimits(self.max_draft_tokens, self.max_draft_support)
