@@ -20,7 +20,8 @@ from typing import Protocol
 
 import torch
 
-from gateway.sampling import SamplingConfig, position_uniforms, processed_probs, sample_from, truncate_to_top_n
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms, processed_probs, sample_from, truncate_to_top_n
 from spade_models.loader import LoadedModel
 from spade_models.kv_cache import TokenCache, cache_argument_name
 from verifier_service.protocol import SparseDistribution

@@ -49,7 +49,8 @@ import torch
 
 from edge_agent.drafter import DRAFT_STREAM, DraftBlock, sample_draft_token
 from gateway.errors import InvalidRequestError, OverloadedError
-from gateway.sampling import SamplingConfig, position_uniforms
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms
 from spade_models.kv_cache import common_prefix_length
 from spade_models.loader import ModelSource, gguf_file_path, load_tokenizer
 from verifier_service.protocol import SparseDistribution

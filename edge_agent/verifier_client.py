@@ -14,7 +14,7 @@ import httpx
 
 from edge_agent.drafter import DraftBlock
 from gateway.errors import GatewayError, ServiceUnavailableError
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
     VerifierHealth,

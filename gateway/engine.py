@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.protocol import SpadeStats
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 
 
 @dataclass(frozen=True)

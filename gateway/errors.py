@@ -130,10 +130,28 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=error.status_code)
 
     @app.exception_handler(GatewayError)
-    async def _on_gateway_error(_: Request, error: GatewayError) -> JSONResponse:
+    async def _on_gateway_error(request: Request, error: GatewayError) -> JSONResponse:
+        log_failure(error, request_id(request), streamed=False)
         return error_response(error)
 
     @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error", exc_info=error)
+    async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
+        log_failure(error, request_id(request), streamed=False)
         return error_response(error)
+
+
+def request_id(request: Request) -> str:
+    """The response id the generation routes set once the request is prepared, else the route."""
+    return getattr(request.state, "request_id", None) or f"{request.method} {request.url.path}"
+
+
+def log_failure(error: BaseException, request_id: str, streamed: bool) -> None:
+    """Our failures (500) are logged with their traceback; the service's own refusals at 5xx
+    (loading, overloaded upstream, shutting down) as one warning line; a client's 4xx not at all
+    beyond the access log. ``streamed``: the client got it as an in-band error event."""
+    _, status = classify(error)
+    where = "mid-stream" if streamed else "before responding"
+    if status == 500:
+        logger.error("request %s failed %s: internal error", request_id, where, exc_info=error)
+    elif status >= 500:
+        logger.warning("request %s failed %s: %d %s", request_id, where, status, error)

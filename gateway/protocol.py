@@ -9,9 +9,19 @@ JSON can carry a lone UTF-16 surrogate ("a\\ud800b") that no tokenizer can encod
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from spade_core.params import MAX_SEED, MAX_TEMPERATURE
+
+# The sampling parameters, with the bounds of spade_core.params: the OpenAI requests below and
+# the edge <-> verifier wire (verifier_service.protocol) use these same fields.
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                     description="0 is greedy; below 1e-5 counts as 0.")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=-1, description="Extension: 0 or -1 disables.")]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 1024
@@ -83,10 +93,10 @@ class _GenerationFields(UnicodeChecked):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="Extension: 0 or -1 disables.")
-    seed: int | None = Field(None, ge=0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
     stream: bool = False

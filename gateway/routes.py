@@ -78,6 +78,7 @@ async def _respond(engine: GenerationEngine, prepared: PreparedRequest, request:
     """Stream, or answer once complete; either way the generation stops when the client goes
     or the shutdown grace period ends (see gateway.lifecycle)."""
     generation = TextGeneration(engine, prepared)
+    request.state.request_id = prepared.identity.id  # what the error log names (gateway.errors)
     drain: Drain | None = getattr(request.app.state, "drain", None)
     if prepared.stream:
         # sse-starlette cancels streams at shutdown after its own grace: keep it past ours, so

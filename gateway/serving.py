@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 
 from gateway import chunks
 from gateway.engine import GenerationEngine, GenerationRequest
-from gateway.errors import InvalidRequestError, ModelNotFoundError, error_body
+from jinja2 import TemplateError
+
+from gateway.errors import InvalidRequestError, ModelNotFoundError, error_body, log_failure
 from gateway.lifecycle import Drain, until_expired
 from gateway.limits import RequestLimits
 from gateway.prompts import chat_prompt_ids, text_prompt_ids
@@ -32,8 +35,10 @@ from gateway.protocol import (
     SpadeStats,
     Usage,
 )
-from gateway.sampling import SamplingConfig, random_seed
+from spade_core.params import SamplingConfig, random_seed
 from gateway.text import IncrementalDetokenizer, StopStringFilter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,12 @@ def prepare_chat(engine: GenerationEngine, request: ChatCompletionRequest, limit
     """Templating and tokenization take seconds on a large prompt: call it off the event loop."""
     check_common(engine, request)
     messages = [{"role": message.role, "content": message.text()} for message in request.messages]
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise InvalidRequestError(f"the model {engine.model_id!r} has no chat template: send the prompt to /v1/completions",
+                                  param="messages")
     try:
         prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
-    except Exception as error:  # jinja errors: a template rejecting these messages
+    except TemplateError as error:  # the template rejecting these messages (raise_exception); anything else is ours: 500
         raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error
     return _prepare(engine, request, "chat", "chat.completion.chunk", prompt_ids, limits)
 
@@ -207,5 +215,6 @@ async def stream_events(generation: TextGeneration, drain: Drain | None = None) 
             yield json.dumps(chunks.usage_chunk(identity, generation.usage, generation.stats))
     except Exception as error:  # the status line is already sent: report in-band
         body, _ = error_body(error)
+        log_failure(error, identity.id, streamed=True)
         yield json.dumps(body.model_dump())
     yield chunks.DONE

@@ -20,7 +20,7 @@ import torch
 
 from edge_agent.drafter import ModelDrafter
 from edge_agent.llamacpp_drafter import LlamaCppDrafter, load_llamacpp_draft
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 from spade_models.loader import ModelSource, load_model
 
 DRAFT = "qwen2.5-coder-0.5b-instruct"

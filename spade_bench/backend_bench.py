@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from gateway.sampling import SamplingConfig, position_uniforms, processed_probs, sample_from
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms, processed_probs, sample_from
 from spade_models.loader import LoadedModel, ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
 

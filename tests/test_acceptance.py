@@ -1,4 +1,4 @@
-"""The acceptance rule (verifier_service.acceptance) and the sampling transform (gateway.sampling),
+"""The acceptance rule (spade_core.acceptance) and the sampling transform (spade_core.sampling),
 pure: tensors in, tensors out. Tested four ways, as vLLM tests its rejection sampler: forced
 outcomes from hand-made distributions, seeded determinism, distribution equality with a fixed
 tolerance, and vocabulary bounds.
@@ -14,15 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.sampling import (
-    SamplingConfig,
-    one_hot_argmax,
-    position_uniforms,
-    processed_probs,
-    sample_from,
-    truncate_to_top_n,
-)
-from verifier_service.acceptance import Acceptance, accept_block, residual_distribution
+from spade_core.params import SamplingConfig
+from spade_core.sampling import one_hot_argmax, position_uniforms, processed_probs, sample_from, truncate_to_top_n
+from spade_core.acceptance import Acceptance, accept_block, residual_distribution
 
 VOCAB = 8
 NUM_TRIALS = 200_000

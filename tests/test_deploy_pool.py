@@ -28,7 +28,7 @@ from edge_agent.verifier_client import SESSION_HEADER
 from edge_support import verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 from servers import LoopbackServer
 from verifier_support import greedy_continuation
 

@@ -17,7 +17,7 @@ from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import CallRecord
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 from verifier_service.protocol import SparseDistribution, VerifyResponse, VerifyTimings
 
 VOCAB = 50

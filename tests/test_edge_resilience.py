@@ -16,7 +16,7 @@ import pytest
 from edge_support import DONE, edge_app, in_process_engine, metric_value, verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 from servers import LoopbackServer, serve, wait_until
 
 MODEL = "target"

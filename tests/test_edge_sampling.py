@@ -23,7 +23,8 @@ from scipy.stats import chisquare
 from edge_support import edge_app, in_process_engine, verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
-from gateway.sampling import SamplingConfig, processed_probs
+from spade_core.params import SamplingConfig
+from spade_core.sampling import processed_probs
 from servers import serve
 from spade_models.loader import LoadedModel, ModelSource, load_model
 

@@ -10,7 +10,7 @@ from edge_agent.drafter import ModelDrafter
 from edge_agent.draft_length import FixedDraftLength
 from edge_agent.engine import SpeculativeEngine, TargetDescription
 from edge_agent.metrics import EdgeMetrics
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 
 EOS = 9
 

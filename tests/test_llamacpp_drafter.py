@@ -12,7 +12,8 @@ import torch
 from edge_agent.draft_backend import LLAMACPP, TRANSFORMERS, choose_draft_backend
 from edge_agent.llamacpp_drafter import LlamaCppDrafter, default_threads, load_llamacpp_draft
 from gateway.errors import InvalidRequestError, OverloadedError
-from gateway.sampling import SamplingConfig, position_uniforms, processed_probs, sample_from, truncate_to_top_n
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms, processed_probs, sample_from, truncate_to_top_n
 from spade_models.loader import ModelSource
 
 GREEDY = SamplingConfig(temperature=0)

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.sampling import GREEDY_BELOW_TEMPERATURE, SamplingConfig, processed_probs
-from verifier_service.protocol import VerifyRequest
+from spade_core.params import GREEDY_BELOW_TEMPERATURE, MAX_SEED, MAX_TEMPERATURE, SamplingConfig
+from spade_core.sampling import processed_probs
+from verifier_service.protocol import VerifyRequest, WireSampling
 
 VOCAB = 24
 logit_rows = st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=VOCAB, max_size=VOCAB)
@@ -64,7 +65,7 @@ chat_requests = st.fixed_dictionaries(
     {"model": text, "messages": messages},
     optional={
         "max_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2), "top_p": st.floats(1e-300, 1.0),
-        "top_k": st.integers(-1, 10**6), "seed": st.integers(0, 2**64), "stop": st.lists(text.filter(bool), max_size=8),
+        "top_k": st.integers(-1, 10**6), "seed": st.integers(0, MAX_SEED), "stop": st.lists(text.filter(bool), max_size=8),
         "stream": st.booleans(), "user": text,
     },
 )
@@ -92,9 +93,33 @@ def test_a_bool_is_not_an_integer(field):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", field: True})
 
 
+OUT_OF_BOUNDS = [("temperature", 2.0000001), ("temperature", float("inf")), ("temperature", -0.1), ("top_p", 0.0),
+                 ("top_p", 1.5), ("top_k", -2), ("seed", MAX_SEED + 1), ("seed", -1)]
+
+
+@pytest.mark.parametrize(("field", "value"), OUT_OF_BOUNDS)
+def test_the_openai_schema_and_the_wire_refuse_the_same_sampling_values(field, value):
+    """One set of bounds (spade_core.params): a value the OpenAI route refuses never reaches the
+    wire, and one the wire would refuse never passes the OpenAI route (a 500 instead of a 400)."""
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "hi", field: value})
+    with pytest.raises(ValidationError):
+        WireSampling.model_validate({field: value})
+    with pytest.raises(ValueError):
+        SamplingConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 2.0), ("temperature", 0.0), ("top_p", 1e-300),
+                                              ("top_k", -1), ("seed", MAX_SEED), ("seed", 0)])
+def test_the_bounds_themselves_pass_everywhere(field, value):
+    CompletionRequest.model_validate({"model": "m", "prompt": "hi", field: value})
+    WireSampling.model_validate({field: value}).to_config()
+    SamplingConfig(**{field: value})
+
+
 @settings(max_examples=100, deadline=None)
 @given(new_tokens=st.lists(st.integers(0, 10**6), max_size=20), draft=st.lists(st.integers(0, 10**6), min_size=1, max_size=8),
-       temperature=st.floats(0, 1e6), seed=st.integers(0, 2**63))
+       temperature=st.floats(0, MAX_TEMPERATURE), seed=st.integers(0, MAX_SEED))
 def test_a_verify_request_round_trips_with_the_same_fingerprint(new_tokens, draft, temperature, seed):
     body = {"session_id": "s", "prefix_length": 0, "prefix_digest": "", "new_tokens": new_tokens, "draft_tokens": draft,
             "sampling": {"temperature": temperature, "seed": seed}}

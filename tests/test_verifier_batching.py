@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 from spade_models.kv_cache import TokenCache, cache_argument_name
 from verifier_service.backends.base import BlockToVerify
 from verifier_service.backends.batching import PendingCall, batched_forward, take_batch

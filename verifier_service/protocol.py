@@ -30,8 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.protocol import UnicodeChecked
-from gateway.sampling import SamplingConfig
+from gateway.protocol import Seed, Temperature, TopK, TopP, UnicodeChecked
+from spade_core.params import SamplingConfig
 
 SESSION_RESYNC_CODE = "session_resync_required"
 
@@ -48,10 +48,10 @@ class WireSampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_k: int = Field(0, ge=-1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int = Field(0, ge=0, description="Seeds the acceptance draws with the token position.")
+    temperature: Temperature = 1.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    seed: Seed = Field(0, description="Seeds the acceptance draws with the token position.")
 
     def to_config(self) -> SamplingConfig:
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)

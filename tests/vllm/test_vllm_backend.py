@@ -22,7 +22,8 @@ import sys
 import pytest
 import torch
 
-from gateway.sampling import SamplingConfig, position_uniforms, processed_probs, sample_from
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms, processed_probs, sample_from
 from spade_models.loader import tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify
 

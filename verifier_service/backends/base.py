@@ -4,7 +4,7 @@ The service (``verifier_service.service``) owns the wire: validation, the sessio
 digests, retries. A backend owns the target model and whatever cache it keeps per session, and
 answers one question: for this committed context and drafted block, how many drafted tokens
 are accepted and what is the next token. It must answer with exactly the distribution of
-sampling from the target alone (see ``verifier_service.acceptance``).
+sampling from the target alone (see ``spade_core.acceptance``).
 
 A block with no drafted tokens is allowed internally: it is one step of target-only decoding
 (the verifier's own OpenAI routes use it); the wire refuses empty blocks.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gateway.sampling import SamplingConfig
+from spade_core.params import SamplingConfig
 
 
 @dataclass(frozen=True)

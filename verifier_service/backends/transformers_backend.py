@@ -18,10 +18,10 @@ from functools import partial
 
 import torch
 
-from gateway.sampling import position_uniforms, processed_probs
+from spade_core.sampling import position_uniforms, processed_probs
 from spade_models.kv_cache import TokenCache, cache_argument_name
 from spade_models.loader import LoadedModel, eos_token_ids, tokenizer_fingerprint
-from verifier_service.acceptance import accept_block
+from spade_core.acceptance import accept_block
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
 from verifier_service.backends.batching import BatchGatherer, verify_batch
 from verifier_service.backends.cpu_kernels import prepare_cpu_kernels

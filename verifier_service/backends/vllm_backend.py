@@ -61,10 +61,11 @@ from typing import Any
 
 import torch
 
-from gateway.sampling import SamplingConfig, position_uniforms, processed_probs
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms, processed_probs
 from spade_models import loader
 from spade_models.loader import ModelSource, tokenizer_fingerprint
-from verifier_service.acceptance import accept_block
+from spade_core.acceptance import accept_block
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
 from verifier_service.backends.vllm_requests import (
     GREEDY,

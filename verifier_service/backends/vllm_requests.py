@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from gateway.sampling import SamplingConfig, position_generator
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_generator
 
 GREEDY = SamplingConfig(temperature=0.0)
 

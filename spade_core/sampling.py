@@ -16,47 +16,10 @@ retried verify call, and a request repeated with the same seed, draw the same nu
 from __future__ import annotations
 
 import hashlib
-import secrets
-from dataclasses import dataclass
 
 import torch
 
-MAX_SEED = 2**63 - 1
-GREEDY_BELOW_TEMPERATURE = 1e-5
-"""A temperature below this samples greedily (vLLM's _SAMPLING_EPS). Such a temperature's
-distribution is one-hot at the argmax in float32 anyway, except between near-ties, and
-logits / temperature would overflow to inf (NaN probabilities) as it approaches 0."""
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How one request samples its tokens."""
-
-    temperature: float = 1.0
-    """0 is greedy; larger values flatten the distribution."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 (or -1) keeps all."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (always the top one)."""
-    seed: int = 0
-    """Seeds every random draw of the request, together with the token's absolute position."""
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-
-def random_seed() -> int:
-    """A fresh seed for a request that did not bring one."""
-    return secrets.randbelow(MAX_SEED)
+from spade_core.params import MAX_SEED, SamplingConfig
 
 
 def processed_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gateway.sampling import sample_from
+from spade_core.sampling import sample_from
 
 
 @dataclass(frozen=True)
