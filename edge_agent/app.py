@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -30,7 +31,7 @@ from spade_models.loader import LoadedModel, tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
 
-DraftLoader = Callable[[EdgeSettings], Awaitable[LoadedModel | LlamaCppDraftModel]]
+DraftLoader = Callable[[EdgeSettings], Coroutine[Any, Any, LoadedModel | LlamaCppDraftModel]]
 
 
 async def load_draft(settings: EdgeSettings) -> LoadedModel | LlamaCppDraftModel:
@@ -66,10 +67,23 @@ async def build_engine(
     draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length, settings.overlap)
     logger.info(
         "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
-        draft.model_id, draft_backend_name(draft), health.model, settings.verifier_url, settings.draft_length,
+        draft.model_id,
+        draft_backend_name(draft),
+        health.model,
+        settings.verifier_url,
+        settings.draft_length,
     )
     target = TargetDescription.from_health(health)
-    return SpeculativeEngine(drafter, draft.tokenizer, client, target, draft_length, metrics, settings.fallback == "draft", settings.overlap)
+    return SpeculativeEngine(
+        drafter,
+        draft.tokenizer,
+        client,
+        target,
+        draft_length,
+        metrics,
+        settings.fallback == "draft",
+        settings.overlap,
+    )
 
 
 def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -> FastAPI:
@@ -107,16 +121,19 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
             return JSONResponse({"status": "loading"}, status_code=503)
         verifier_ok = engine.verifier_reachable and await request.app.state.probe.is_ok()
         status, status_code = health_status(verifier_ok, settings.fallback)
-        return JSONResponse(status_code=status_code, content={
-            "status": status,
-            "verifier": "ok" if verifier_ok else "unreachable",
-            "fallback": settings.fallback,
-            "model": engine.model_id,
-            "draft_model": settings.draft_model,
-            "draft_backend": request.app.state.draft_backend,
-            "verifier_url": settings.verifier_url,
-            "draft_length": settings.draft_length,
-            "overlap": settings.overlap,
-        })
+        return JSONResponse(
+            status_code=status_code,
+            content={
+                "status": status,
+                "verifier": "ok" if verifier_ok else "unreachable",
+                "fallback": settings.fallback,
+                "model": engine.model_id,
+                "draft_model": settings.draft_model,
+                "draft_backend": request.app.state.draft_backend,
+                "verifier_url": settings.verifier_url,
+                "draft_length": settings.draft_length,
+                "overlap": settings.overlap,
+            },
+        )
 
     return app

@@ -28,7 +28,9 @@ def choose_draft_backend(requested: str, source: ModelSource, device: str, is_ll
         return TRANSFORMERS, "--draft-backend transformers"
     if requested == LLAMACPP:
         if not source.is_gguf:
-            raise ValueError(f"--draft-backend llamacpp needs a GGUF draft (a registry name, a .gguf path or --gguf-file), got {source.model!r}")
+            raise ValueError(
+                f"--draft-backend llamacpp needs a GGUF draft (a registry name, a .gguf path or --gguf-file), got {source.model!r}"
+            )
         if not is_llamacpp_available:
             raise ValueError(f"--draft-backend llamacpp needs {CYLLAMA_REQUIREMENT}, which does not import here")
         return LLAMACPP, "--draft-backend llamacpp"
@@ -50,7 +52,11 @@ def load_draft_model(settings: EdgeSettings) -> LoadedModel | LlamaCppDraftModel
     logger.info("draft backend: %s (%s)", backend, why)
     if backend == LLAMACPP:
         if settings.device != "cpu" or settings.dtype != "float32":
-            logger.warning("llama.cpp drafts on the CPU with the GGUF file's own types: --device %s / --dtype %s are ignored", settings.device, settings.dtype)
+            logger.warning(
+                "llama.cpp drafts on the CPU with the GGUF file's own types: --device %s / --dtype %s are ignored",
+                settings.device,
+                settings.dtype,
+            )
         return load_llamacpp_draft(source)
     return load_model(source, settings.device, settings.dtype)
 
@@ -59,13 +65,21 @@ def draft_backend_name(draft: LoadedModel | LlamaCppDraftModel) -> str:
     return LLAMACPP if isinstance(draft, LlamaCppDraftModel) else TRANSFORMERS
 
 
-def build_drafter(draft: LoadedModel | LlamaCppDraftModel, settings: EdgeSettings, health: VerifierHealth) -> ModelDrafter | LlamaCppDrafter:
+def build_drafter(
+    draft: LoadedModel | LlamaCppDraftModel,
+    settings: EdgeSettings,
+    health: VerifierHealth,
+) -> ModelDrafter | LlamaCppDrafter:
     """The drafter for a loaded draft, within the verifier's limits: no token id beyond its
     vocabulary, no distribution wider than it accepts, no context longer than it serves."""
     max_support = min(settings.max_draft_support, health.max_draft_support)
     if isinstance(draft, LlamaCppDraftModel):
         return LlamaCppDrafter(
-            draft, health.max_context_length, threads=settings.threads, max_sessions=settings.max_draft_sessions,
-            max_support=max_support, vocab_limit=health.vocab_size,
+            draft,
+            health.max_context_length,
+            threads=settings.threads,
+            max_sessions=settings.max_draft_sessions,
+            max_support=max_support,
+            vocab_limit=health.vocab_size,
         )
     return ModelDrafter(draft, max_support=max_support, vocab_limit=health.vocab_size)

@@ -57,7 +57,14 @@ def exposed_draft_s(num_drafted: int, acceptance_rate: float, draft_s_per_token:
     return hit * max(0.0, ahead_s - round_trip_s) + (1.0 - hit) * drafting_s
 
 
-def tokens_per_s(num_drafted: int, acceptance_rate: float, draft_s_per_token: float, link_s: float, verify_s: float, overlap: bool) -> float:
+def tokens_per_s(
+    num_drafted: int,
+    acceptance_rate: float,
+    draft_s_per_token: float,
+    link_s: float,
+    verify_s: float,
+    overlap: bool,
+) -> float:
     """Expected tokens per second of blocks of ``num_drafted`` (``verify_s`` is t_verify(d))."""
     round_trip_s = link_s + verify_s
     cycle_s = exposed_draft_s(num_drafted, acceptance_rate, draft_s_per_token, round_trip_s, overlap) + round_trip_s
@@ -88,7 +95,7 @@ class VerifyTimeCurve:
         if not self.points:
             return self._through(1, self.prior_s)
         if len(self.points) == 1:
-            (length, (average, _)), = self.points.items()
+            ((length, (average, _)),) = self.points.items()
             return self._through(length, average)
         weights = {length: min(count, MAX_POINT_WEIGHT) for length, (_, count) in self.points.items()}
         total = sum(weights.values())
@@ -128,7 +135,7 @@ class FixedDraftLength:
         if self.length < 1:
             raise ValueError(f"draft length must be >= 1, got {self.length}")
 
-    def for_request(self) -> "FixedDraftLength":
+    def for_request(self) -> FixedDraftLength:
         return self
 
     def next_length(self) -> int:
@@ -172,11 +179,12 @@ class AdaptiveDraftLength:
         """Accepted / trials over recent blocks of all requests (ratio of moving averages)."""
         return self.prior_accepted / self.prior_trials_per_block
 
-    def for_request(self) -> "RequestDraftLength":
+    def for_request(self) -> RequestDraftLength:
         return RequestDraftLength(self)
 
     def best_length(self, acceptance_rate: float) -> int:
         """argmax over d in [1, max_length] of expected tokens per second."""
+
         def rate(num_drafted: int) -> float:
             verify_s = self.verify_curve.seconds(num_drafted)
             return tokens_per_s(num_drafted, acceptance_rate, self.draft_s_per_token, self.link_s, verify_s, self.overlap)

@@ -22,8 +22,8 @@ import torch
 
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms, processed_probs, sample_from, truncate_to_top_n
-from spade_models.loader import LoadedModel
 from spade_models.kv_cache import TokenCache, cache_argument_name
+from spade_models.loader import LoadedModel
 from verifier_service.protocol import SparseDistribution
 
 DRAFT_STREAM = "draft"
@@ -66,7 +66,7 @@ class ModelDrafter:
     def __post_init__(self) -> None:
         self.cache_argument = cache_argument_name(self.loaded.model)
 
-    def start_session(self) -> "ModelDraftSession":
+    def start_session(self) -> ModelDraftSession:
         return ModelDraftSession(self)
 
     def close(self) -> None:
@@ -82,12 +82,13 @@ class ModelDraftSession:
         """``num_tokens`` drafted tokens following ``context`` (one forward per token)."""
         if self.entry is None:
             self.entry = TokenCache.empty(self.drafter.loaded.model)
-        pending = self.entry.reuse_for(context)
+        entry = self.entry
+        pending = entry.reuse_for(context)
         uniforms = position_uniforms(sampling.seed, len(context), num_tokens, stream=DRAFT_STREAM)
         token_ids: list[int] = []
         distributions: list[SparseDistribution] = []
         for index in range(num_tokens):
-            logits = self._forward(pending)
+            logits = self._forward(entry, pending)
             token_id, distribution = self._choose(logits, sampling, float(uniforms[index, 0]))
             token_ids.append(token_id)
             if distribution is not None:
@@ -98,16 +99,16 @@ class ModelDraftSession:
     def close(self) -> None:
         self.entry = None
 
-    def _forward(self, input_ids: list[int]) -> torch.Tensor:
+    def _forward(self, entry: TokenCache, input_ids: list[int]) -> torch.Tensor:
         model = self.drafter.loaded.model
         with torch.inference_mode():
             output = model(
                 input_ids=torch.tensor([input_ids], device=model.device),
                 use_cache=True,
                 logits_to_keep=1,
-                **{self.drafter.cache_argument: self.entry.cache},
+                **{self.drafter.cache_argument: entry.cache},
             )
-        self.entry.token_ids = self.entry.token_ids + input_ids
+        entry.token_ids = entry.token_ids + input_ids
         logits = output.logits[0, -1].float()
         if self.drafter.vocab_limit is not None and self.drafter.vocab_limit < logits.shape[-1]:
             # Out of place: the logits are an inference tensor, which refuses in-place updates here.

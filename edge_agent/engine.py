@@ -1,7 +1,8 @@
 """Speculative decoding on the edge: draft a block, verify it in the cloud, stream what the
 target accepted plus its next token, repeat.
 
-The edge never emits a token the verifier did not accept or produce. The loop ends at EOS, at
+The edge never emits a token the verifier did not accept or produce, and never computes a
+logprob: those of a request that asks come from the verifier, the target's. The loop ends at EOS, at
 the token budget (the last block is drafted no longer than the budget needs, and its output cut
 to the budget) or when the consumer closes the stream (stop string, client gone), which also
 frees the draft cache and the verifier session.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from edge_agent.draft_length import AdaptiveDraftLength, BlockOutcome, FixedDraf
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifierSession
-from gateway.engine import GeneratedTokens, GenerationRequest
+from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport, TopLogprobs
 from gateway.errors import ServiceUnavailableError
 from gateway.protocol import SpadeStats
 from verifier_service.protocol import VerifierHealth, VerifyResponse
@@ -36,10 +37,18 @@ class TargetDescription:
     max_draft_tokens: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    logprobs_support: LogprobsSupport = "none"
 
     @classmethod
-    def from_health(cls, health: VerifierHealth) -> "TargetDescription":
-        return cls(health.model, health.max_context_length, health.max_draft_tokens, frozenset(health.eos_token_ids), health.vocab_size)
+    def from_health(cls, health: VerifierHealth) -> TargetDescription:
+        return cls(
+            health.model,
+            health.max_context_length,
+            health.max_draft_tokens,
+            frozenset(health.eos_token_ids),
+            health.vocab_size,
+            health.logprobs_support,
+        )
 
 
 class SpeculativeEngine:
@@ -87,10 +96,14 @@ class SpeculativeEngine:
         return self._target.vocab_size
 
     @property
+    def logprobs_support(self) -> LogprobsSupport:
+        return self._target.logprobs_support
+
+    @property
     def verifier_reachable(self) -> bool:
         return self._client.is_reachable
 
-    async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
+    async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         draft_session = self._drafter.start_session()
         verifier_session = self._client.open_session()
         lengths = self._draft_length.for_request()
@@ -106,20 +119,21 @@ class SpeculativeEngine:
                 self._count_overlap(stats, ahead, context)
                 block, drafting = await self._next_block(draft_session, context, num_drafted, request, ahead)
                 ahead_limit = self._ahead_limit(lengths, remaining, len(context), num_drafted)
-                verdict, ahead = await self._verify_while_drafting_ahead(draft_session, verifier_session, context, block, request, ahead_limit, stats)
+                verdict, ahead = await self._verify_while_drafting_ahead(
+                    draft_session, verifier_session, context, block, request, ahead_limit, stats
+                )
                 if verdict is None:  # verifier unreachable, serving the draft (--fallback draft)
-                    emitted, logprobs = block.token_ids, [float("nan")] * len(block.token_ids)
+                    emitted = block.token_ids
                     stats.fallback_tokens += len(emitted)
                     stats.draft_ms += drafting.exposed_s * 1e3
                 else:
                     self._record(stats, lengths, verifier_session, block, verdict, drafting)
                     emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
-                    logprobs = verdict.logprobs
                 context += emitted
                 kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
                 num_generated += kept
                 self._metrics.generated_tokens.inc(kept)
-                yield GeneratedTokens(emitted[:kept], logprobs[:kept])
+                yield generated_tokens(emitted[:kept], verdict if request.num_top_logprobs is not None else None)
                 if kept < len(emitted) or emitted[-1] in request.eos_token_ids:
                     return
         finally:
@@ -162,8 +176,8 @@ class SpeculativeEngine:
             session.close()
 
     async def _next_block(
-        self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest, ahead: "DraftAhead | None"
-    ) -> tuple[DraftBlock, "Drafting"]:
+        self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest, ahead: DraftAhead | None
+    ) -> tuple[DraftBlock, Drafting]:
         """The block to verify next: what was drafted ahead for this context, completed by drafting now."""
         reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
         per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids else None
@@ -173,16 +187,24 @@ class SpeculativeEngine:
         block = join_blocks(reused, rest)
         return block, Drafting(draft_s, draft_s / len(rest.token_ids))
 
-    async def _draft(self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest) -> tuple[DraftBlock, float]:
+    async def _draft(
+        self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest
+    ) -> tuple[DraftBlock, float]:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         block = await loop.run_in_executor(self._executor, session.propose, list(context), num_drafted, request.sampling)
         return block, time.perf_counter() - started
 
     async def _verify_while_drafting_ahead(
-        self, draft_session: DraftSession, verifier_session: VerifierSession, context: list[int], block: DraftBlock,
-        request: GenerationRequest, ahead_limit: int, stats: SpadeStats,
-    ) -> tuple[VerifyResponse | None, "DraftAhead | None"]:
+        self,
+        draft_session: DraftSession,
+        verifier_session: VerifierSession,
+        context: list[int],
+        block: DraftBlock,
+        request: GenerationRequest,
+        ahead_limit: int,
+        stats: SpadeStats,
+    ) -> tuple[VerifyResponse | None, DraftAhead | None]:
         """Send the block; until the verdict arrives, keep drafting past it one token at a time
         (a guess of the target's next token, then the block after it). A token in progress when
         the verdict lands is finished (the drafting thread cannot be interrupted mid-forward)."""
@@ -200,18 +222,21 @@ class SpeculativeEngine:
             if not verifying.done():  # the request was cancelled (client gone): so is its call
                 verifying.cancel()
 
-    async def _verify(self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest) -> VerifyResponse | None:
-        """The verdict; None when the verifier is unreachable and the edge falls back to the draft."""
+    async def _verify(
+        self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest
+    ) -> VerifyResponse | None:
+        """The verdict; None when the verifier is unreachable and the edge falls back to the draft
+        (never for a request that asked for logprobs: the draft's tokens have no target logprob)."""
         try:
-            return await session.verify(context, block, request.sampling)
+            return await session.verify(context, block, request.sampling, request.num_top_logprobs)
         except ServiceUnavailableError:
             self._metrics.verify_failures.inc()
-            if not self._fallback_to_draft:
+            if not self._fallback_to_draft or request.num_top_logprobs is not None:
                 raise
             self._metrics.fallback_tokens.inc(len(block.token_ids))
             return None
 
-    def _count_overlap(self, stats: SpadeStats, ahead: "DraftAhead | None", context: list[int]) -> None:
+    def _count_overlap(self, stats: SpadeStats, ahead: DraftAhead | None, context: list[int]) -> None:
         """A hit: the committed context runs through the guess, so what was drafted ahead starts
         the next block (no drafting before it can leave). A miss: it is rolled back, unused."""
         if ahead is None:
@@ -223,7 +248,9 @@ class SpeculativeEngine:
             stats.overlap_misses += 1
             self._metrics.overlap_misses.inc()
 
-    def _record(self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: "Drafting") -> None:
+    def _record(
+        self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: Drafting
+    ) -> None:
         call = session.records[-1]
         num_drafted = len(block.token_ids)
         stats.verify_calls += 1
@@ -234,7 +261,9 @@ class SpeculativeEngine:
         stats.draft_ms += drafting.exposed_s * 1e3
         stats.verify_ms += call.round_trip_s * 1e3
         stats.verifier_forward_ms += verdict.timings.forward_ms
-        lengths.observe(BlockOutcome(num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verdict.timings.total_ms / 1e3))
+        lengths.observe(
+            BlockOutcome(num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verdict.timings.total_ms / 1e3)
+        )
         metrics = self._metrics
         metrics.verify_calls.inc()
         metrics.resyncs.inc(int(call.resynced))
@@ -253,3 +282,12 @@ class SpeculativeEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
         # A proposal still running in the executor holds the drafter's lock: close waits for it.
         await asyncio.to_thread(self._drafter.close)
+
+
+def generated_tokens(token_ids: list[int], verdict: VerifyResponse | None) -> GeneratedTokens:
+    """The tokens to deliver, with the verdict's logprobs for them when the request asked (the
+    verdict is then one that carries them: the client checks)."""
+    if verdict is None:
+        return GeneratedTokens(token_ids)
+    top_logprobs: list[TopLogprobs] = [list(zip(top.token_ids, top.logprobs, strict=True)) for top in verdict.top_logprobs or []]
+    return GeneratedTokens(token_ids, verdict.logprobs[: len(token_ids)], top_logprobs[: len(token_ids)])

@@ -43,6 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,7 +100,8 @@ class LlamaCppDraftModel:
     """A draft GGUF opened by llama.cpp, with its Hugging Face tokenizer (chat templates, and
     the tokenizer check against the verifier)."""
 
-    model: object = field(repr=False)
+    model: Any = field(repr=False)
+    """A cyllama ``LlamaModel`` (cyllama ships no type information)."""
     tokenizer: object = field(repr=False)
     model_id: str
     gguf_path: Path
@@ -122,13 +124,19 @@ def load_llamacpp_draft(source: ModelSource) -> LlamaCppDraftModel:
     loaded = LlamaCppDraftModel(model, tokenizer, source.model_id, path, time.perf_counter() - started)
     logger.info(
         "loaded %s into llama.cpp from %s in %.1f s (%.1f M parameters, vocabulary %d)",
-        loaded.model_id, path, loaded.load_seconds, model.n_params / 1e6, loaded.vocab_size,
+        loaded.model_id,
+        path,
+        loaded.load_seconds,
+        model.n_params / 1e6,
+        loaded.vocab_size,
     )
     return loaded
 
 
-def _model_class(llama_cpp):
-    class DraftLlamaModel(llama_cpp.LlamaModel):
+def _model_class(llama_cpp: Any) -> type:
+    base: Any = llama_cpp.LlamaModel  # a class of the untyped bindings, only known at run time
+
+    class DraftLlamaModel(base):
         # cyllama 0.2.18's get_logits / get_logits_ith read ``model.n_vocab``, which LlamaModel lacks.
         @functools.cached_property
         def n_vocab(self) -> int:
@@ -141,8 +149,14 @@ class LlamaCppDrafter:
     """Drafts with llama.cpp; its sessions are sequences of one shared context."""
 
     def __init__(
-        self, draft: LlamaCppDraftModel, n_ctx: int, *, threads: int | None = None, max_sessions: int = 16,
-        max_support: int = 32, vocab_limit: int | None = None,
+        self,
+        draft: LlamaCppDraftModel,
+        n_ctx: int,
+        *,
+        threads: int | None = None,
+        max_sessions: int = 16,
+        max_support: int = 32,
+        vocab_limit: int | None = None,
     ) -> None:
         if n_ctx < 1 or max_sessions < 1:
             raise ValueError(f"n_ctx and max_sessions must be positive, got {n_ctx} and {max_sessions}")
@@ -174,7 +188,7 @@ class LlamaCppDrafter:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def start_session(self) -> "LlamaCppDraftSession":
+    def start_session(self) -> LlamaCppDraftSession:
         with self._lock:
             if self._is_closed:
                 raise RuntimeError("the llama.cpp drafter is closed")
@@ -193,7 +207,7 @@ class LlamaCppDrafter:
 
     # --- what sessions call -------------------------------------------------------------------
 
-    def _propose(self, session: "LlamaCppDraftSession", context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
+    def _propose(self, session: LlamaCppDraftSession, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
         with self._lock:
             self._check_usable(session, context, num_tokens)
             pending = self._reuse_prefix(session, context)
@@ -209,15 +223,15 @@ class LlamaCppDrafter:
                 pending = [token_id]
             return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
 
-    def _is_live(self, session: "LlamaCppDraftSession") -> bool:
+    def _is_live(self, session: LlamaCppDraftSession) -> bool:
         """Open, in an open drafter (a closed session's sequence id may serve another one now)."""
         return not self._is_closed and self._sessions.get(session.seq_id) is session
 
-    def _num_kv_tokens(self, session: "LlamaCppDraftSession") -> int:
+    def _num_kv_tokens(self, session: LlamaCppDraftSession) -> int:
         with self._lock:
             return self._context.memory_seq_pos_max(session.seq_id) + 1 if self._is_live(session) else 0
 
-    def _release(self, session: "LlamaCppDraftSession") -> None:
+    def _release(self, session: LlamaCppDraftSession) -> None:
         with self._lock:
             if self._sessions.get(session.seq_id) is not session:
                 return
@@ -228,7 +242,7 @@ class LlamaCppDrafter:
 
     # --- the shared context (called with the lock held) ----------------------------------------
 
-    def _check_usable(self, session: "LlamaCppDraftSession", context: list[int], num_tokens: int) -> None:
+    def _check_usable(self, session: LlamaCppDraftSession, context: list[int], num_tokens: int) -> None:
         if not self._is_live(session):
             raise RuntimeError("this llama.cpp draft session (or its drafter) is closed")
         if not context:
@@ -237,7 +251,7 @@ class LlamaCppDrafter:
         if needed > self.n_ctx:
             raise InvalidRequestError(f"the draft context holds {self.n_ctx} tokens; this block needs {needed}")
 
-    def _reuse_prefix(self, session: "LlamaCppDraftSession", context: list[int]) -> list[int]:
+    def _reuse_prefix(self, session: LlamaCppDraftSession, context: list[int]) -> list[int]:
         """Roll the session back to the longest prefix it shares with ``context``, short of the
         last context token (whose logits start the block); return the tokens left to feed."""
         keep = min(common_prefix_length(session.cached_token_ids, context), len(context) - 1)
@@ -245,11 +259,11 @@ class LlamaCppDrafter:
             self._remove_from(session, keep)
         return context[keep:]
 
-    def _remove_from(self, session: "LlamaCppDraftSession", position: int) -> None:
+    def _remove_from(self, session: LlamaCppDraftSession, position: int) -> None:
         self._context.memory_seq_rm(session.seq_id, position, -1)
         session.cached_token_ids = session.cached_token_ids[:position]
 
-    def _feed(self, session: "LlamaCppDraftSession", token_ids: list[int]) -> None:
+    def _feed(self, session: LlamaCppDraftSession, token_ids: list[int]) -> None:
         """Decode ``token_ids`` after the session's cache, with logits for the last one only."""
         self._make_room(session, len(token_ids))
         for start in range(0, len(token_ids), MAX_BATCH_TOKENS):
@@ -267,7 +281,7 @@ class LlamaCppDrafter:
             session.cached_token_ids = session.cached_token_ids + chunk
             self.num_decoded_tokens += len(chunk)
 
-    def _make_room(self, session: "LlamaCppDraftSession", num_new: int) -> None:
+    def _make_room(self, session: LlamaCppDraftSession, num_new: int) -> None:
         """Drop the other sessions' caches when the pool cannot hold ``num_new`` more tokens."""
         used = sum(len(other.cached_token_ids) for other in self._sessions.values())
         if used + num_new <= self.n_ctx:
@@ -280,6 +294,8 @@ class LlamaCppDrafter:
     def _choose(self, sampling: SamplingConfig, uniform: float | None) -> tuple[int, SparseDistribution | None]:
         if sampling.is_greedy:
             return self._greedy.sample(self._context, -1), None
+        if uniform is None:
+            raise ValueError("a sampled draft token needs its uniform draw")
         return sample_draft_token(self._last_logits(), sampling, uniform, self.max_support)
 
     def _last_logits(self) -> torch.Tensor:

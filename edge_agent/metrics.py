@@ -14,19 +14,58 @@ class EdgeMetrics:
         r = self.registry
         self.requests = Counter("spade_edge_requests", "Generation requests started", registry=r)
         self.active_requests = Gauge("spade_edge_active_requests", "Generation requests in progress", registry=r)
-        self.generated_tokens = Counter("spade_edge_generated_tokens", "Tokens kept for clients; a final block's tokens past an end-of-sequence token or max_tokens are dropped here but counted in the verifier's spade_verifier_generated_tokens", registry=r)
+        self.generated_tokens = Counter(
+            "spade_edge_generated_tokens",
+            (
+                "Tokens kept for clients; a final block's tokens past an end-of-sequence token or max_tokens "
+                "are dropped here but counted in the verifier's spade_verifier_generated_tokens"
+            ),
+            registry=r,
+        )
         self.verify_calls = Counter("spade_edge_verify_calls", "Verify calls made", registry=r)
         self.resyncs = Counter("spade_edge_resyncs", "Verify calls repeated with the full context after a 409", registry=r)
         self.verify_failures = Counter("spade_edge_verify_failures", "Generations ended by an unreachable or failing verifier", registry=r)
-        self.fallback_tokens = Counter("spade_edge_fallback_tokens", "Unverified draft tokens served while the verifier was unreachable (--fallback draft)", registry=r)
+        self.fallback_tokens = Counter(
+            "spade_edge_fallback_tokens",
+            "Unverified draft tokens served while the verifier was unreachable (--fallback draft)",
+            registry=r,
+        )
         self.drafted_tokens = Counter("spade_edge_drafted_tokens", "Tokens drafted", registry=r)
         self.accepted_tokens = Counter("spade_edge_accepted_tokens", "Drafted tokens accepted", registry=r)
-        self.overlap_hits = Counter("spade_edge_overlap_hits", "Blocks started with tokens drafted while the previous block was verified", registry=r)
-        self.overlap_misses = Counter("spade_edge_overlap_misses", "Blocks drafted ahead and rolled back (the verdict did not run through the guess)", registry=r)
+        self.overlap_hits = Counter(
+            "spade_edge_overlap_hits",
+            "Blocks started with tokens drafted while the previous block was verified",
+            registry=r,
+        )
+        self.overlap_misses = Counter(
+            "spade_edge_overlap_misses",
+            "Blocks drafted ahead and rolled back (the verdict did not run through the guess)",
+            registry=r,
+        )
         self.draft_ahead_tokens = Counter("spade_edge_draft_ahead_tokens", "Tokens drafted while a verify call was in flight", registry=r)
         self.bytes_sent = Counter("spade_edge_bytes_sent", "Request bytes sent to the verifier", registry=r)
         self.bytes_received = Counter("spade_edge_bytes_received", "Response bytes received from the verifier", registry=r)
-        self.draft_length = Histogram("spade_edge_draft_length", "Tokens drafted per block", buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64), registry=r)
-        self.draft_seconds = Histogram("spade_edge_draft_seconds", "Waiting for drafting per block (drafting hidden under a verify call excluded)", buckets=LATENCY_BUCKETS, registry=r)
-        self.verify_seconds = Histogram("spade_edge_verify_seconds", "Verify round trip (network + queue + forward)", buckets=LATENCY_BUCKETS, registry=r)
-        self.verifier_forward_seconds = Histogram("spade_edge_verifier_forward_seconds", "Verifier-reported forward time per call", buckets=LATENCY_BUCKETS, registry=r)
+        self.draft_length = Histogram(
+            "spade_edge_draft_length",
+            "Tokens drafted per block",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
+            registry=r,
+        )
+        self.draft_seconds = Histogram(
+            "spade_edge_draft_seconds",
+            "Waiting for drafting per block (drafting hidden under a verify call excluded)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.verify_seconds = Histogram(
+            "spade_edge_verify_seconds",
+            "Verify round trip (network + queue + forward)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.verifier_forward_seconds = Histogram(
+            "spade_edge_verifier_forward_seconds",
+            "Verifier-reported forward time per call",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )

@@ -18,28 +18,76 @@ if TYPE_CHECKING:  # the client pulls in torch via the wire module; --help must 
 class EdgeSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPADE_EDGE_", protected_namespaces=())
 
-    draft_model: str = Field("qwen2.5-coder-0.5b-instruct", description="Draft model: HF id, local directory, .gguf path or spade-models name.")
+    draft_model: str = Field(
+        "qwen2.5-coder-0.5b-instruct",
+        description="Draft model: HF id, local directory, .gguf path or spade-models name.",
+    )
     gguf_file: str | None = Field(None, description="GGUF file inside --draft-model (a directory or hub repo) to load.")
     verifier_url: str = Field("http://127.0.0.1:8001", description="Base URL of the verifier service.")
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or mps.")
     dtype: str = Field("float32", description="float32, bfloat16 or float16.")
-    threads: int | None = Field(None, ge=1, description="CPU threads of the draft model, torch's and llama.cpp's (default: torch's choice; llama.cpp half the cores, 1 to 4).")
-    draft_backend: Literal["auto", "llamacpp", "transformers"] = Field("auto", description="Runtime of the draft model: 'llamacpp' reads a GGUF draft as it is (CPU, cyllama); 'transformers' loads any checkpoint (a GGUF one dequantized); 'auto' picks llamacpp for a GGUF draft on the CPU when cyllama is installed.")
-    max_draft_sessions: int = Field(96, ge=1, le=256, description="llama.cpp draft backend: requests drafting at once (sequences of its shared KV cache, about 0.6 MB each); more are answered 429. Keep it above --max-concurrent-requests (a session closes a moment after its request ends).")
-    draft_length: str = Field("5", description="Tokens drafted per verify call: a positive integer, or 'auto' to adapt to acceptance and round trip.")
-    overlap: bool = Field(True, description="Draft the next block while the verifier checks this one; the pre-drafted tokens are used only when the verdict runs through the draft's guess of the next token.")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads of the draft model, torch's and llama.cpp's (default: torch's choice; llama.cpp half the cores, 1 to 4).",
+    )
+    draft_backend: Literal["auto", "llamacpp", "transformers"] = Field(
+        "auto",
+        description=(
+            "Runtime of the draft model: 'llamacpp' reads a GGUF draft as it is (CPU, cyllama); "
+            "'transformers' loads any checkpoint (a GGUF one dequantized); 'auto' picks llamacpp for a GGUF "
+            "draft on the CPU when cyllama is installed."
+        ),
+    )
+    max_draft_sessions: int = Field(
+        96,
+        ge=1,
+        le=256,
+        description=(
+            "llama.cpp draft backend: requests drafting at once (sequences of its shared KV cache, about 0.6 "
+            "MB each); more are answered 429. Keep it above --max-concurrent-requests (a session closes a "
+            "moment after its request ends)."
+        ),
+    )
+    draft_length: str = Field(
+        "5",
+        description="Tokens drafted per verify call: a positive integer, or 'auto' to adapt to acceptance and round trip.",
+    )
+    overlap: bool = Field(
+        True,
+        description=(
+            "Draft the next block while the verifier checks this one; the pre-drafted tokens are used only "
+            "when the verdict runs through the draft's guess of the next token."
+        ),
+    )
     max_draft_length: int = Field(16, ge=1, description="Upper bound of the adaptive draft length.")
     max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
     verify_retries: int = Field(2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.")
-    fallback: Literal["error", "draft"] = Field("error", description="When the verifier is unreachable: 'error' answers 503 (or an in-band stream error); 'draft' keeps serving the draft model's own tokens, unverified, counted in spade.fallback_tokens.")
-    circuit_open_s: float = Field(5.0, gt=0, description="After the verifier is found unreachable, fail (or fall back) at once for this long before trying it again.")
+    fallback: Literal["error", "draft"] = Field(
+        "error",
+        description=(
+            "When the verifier is unreachable: 'error' answers 503 (or an in-band stream error); 'draft' "
+            "keeps serving the draft model's own tokens, unverified, counted in spade.fallback_tokens."
+        ),
+    )
+    circuit_open_s: float = Field(
+        5.0,
+        gt=0,
+        description="After the verifier is found unreachable, fail (or fall back) at once for this long before trying it again.",
+    )
     startup_timeout_s: float = Field(900.0, gt=0, description="How long to wait at start-up for the verifier's /health to report ok.")
     verifier_api_key: str | None = Field(None, description="API key the edge sends to the verifier (Authorization: Bearer).")
     verifier_api_key_file: str | None = Field(None, description="File holding the verifier API key (its first line).")
-    trusted_hosts: str | None = Field(None, description="Host headers the edge answers, comma-separated ('*' = any); default: the loopback names when listening on loopback (DNS rebinding), any otherwise.")
+    trusted_hosts: str | None = Field(
+        None,
+        description=(
+            "Host headers the edge answers, comma-separated ('*' = any); default: the loopback names when "
+            "listening on loopback (DNS rebinding), any otherwise."
+        ),
+    )
 
     @field_validator("draft_length")
     @classmethod
@@ -51,7 +99,9 @@ class EdgeSettings(ServiceSettings):
         from edge_agent.verifier_client import ClientSettings
 
         return ClientSettings(
-            timeout_s=self.verify_timeout_s, retries=self.verify_retries, circuit_open_s=self.circuit_open_s,
+            timeout_s=self.verify_timeout_s,
+            retries=self.verify_retries,
+            circuit_open_s=self.circuit_open_s,
             api_key=self.verifier_key(),
         )
 

@@ -65,7 +65,9 @@ class CallRecord:
 
 
 class VerifierClient:
-    def __init__(self, base_url: str, settings: ClientSettings = ClientSettings(), transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, base_url: str, settings: ClientSettings = ClientSettings(), transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.settings = settings
         timeout = httpx.Timeout(settings.timeout_s, connect=settings.connect_timeout_s)
@@ -107,7 +109,7 @@ class VerifierClient:
             logger.info("waiting for verifier at %s: %s", self.base_url, reason)
             await asyncio.sleep(1.0)
 
-    def open_session(self) -> "VerifierSession":
+    def open_session(self) -> VerifierSession:
         return VerifierSession(self, f"edge-{uuid.uuid4().hex}")
 
     def end_session_soon(self, session_id: str) -> None:
@@ -160,21 +162,27 @@ class VerifierSession:
     """A verify call was sent: the verifier may hold the session even without an answer here
     (the first call cancelled in flight, when the client went away)."""
 
-    async def verify(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyResponse:
+    async def verify(
+        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
+    ) -> VerifyResponse:
+        """``num_top_logprobs``: None asks for no logprobs; N for the emitted tokens' and N
+        alternatives each."""
         started = time.perf_counter()
         resynced = False
         self.has_called = True
-        request = self._request(context, block, sampling)
+        request = self._request(context, block, sampling, num_top_logprobs)
         response, bytes_sent = await self.client.post_verify(request)
         if response.status_code == 409 and _error_code(response) == SESSION_RESYNC_CODE:
             resynced = True
             self.verifier_length = 0
-            request = self._request(context, block, sampling)
+            request = self._request(context, block, sampling, num_top_logprobs)
             response, resent = await self.client.post_verify(request)
             bytes_sent += resent
         if response.status_code != 200:
             raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
         verdict = VerifyResponse.model_validate_json(response.content)
+        if num_top_logprobs is not None and not has_logprobs(verdict):
+            raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
         self.verifier_length = verdict.context_length
         self.records.append(CallRecord(time.perf_counter() - started, bytes_sent, len(response.content), resynced))
         return verdict
@@ -183,7 +191,7 @@ class VerifierSession:
         if self.has_called:
             self.client.end_session_soon(self.session_id)
 
-    def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyRequest:
+    def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None) -> VerifyRequest:
         known = self.verifier_length
         return VerifyRequest(
             session_id=self.session_id,
@@ -193,7 +201,13 @@ class VerifierSession:
             draft_tokens=block.token_ids,
             draft_probs=block.probs,
             sampling=WireSampling.from_config(sampling),
+            num_top_logprobs=num_top_logprobs,
         )
+
+
+def has_logprobs(verdict: VerifyResponse) -> bool:
+    num_emitted = verdict.num_accepted + 1
+    return len(verdict.logprobs) == num_emitted and verdict.top_logprobs is not None and len(verdict.top_logprobs) == num_emitted
 
 
 def _error_code(response: httpx.Response) -> str | None:

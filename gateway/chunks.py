@@ -1,9 +1,11 @@
 """Pure builders of the OpenAI streaming chunks (``data:`` payloads of the SSE stream).
 
 Rules (OpenAI's, asserted one by one in the tests): one id for all chunks of a stream; the first
-chat chunk carries only the role; content chunks carry only text; the finish chunk carries the
-finish_reason and no content; with ``stream_options.include_usage`` a last chunk carries usage
-(and our ``spade`` stats) with empty ``choices``; then ``[DONE]``.
+chat chunk carries only the role; content chunks carry only text (and, when the request asked,
+``logprobs`` of the tokens that text completes: see ``gateway.logprobs``); the finish chunk
+carries the finish_reason and no content; with ``stream_options.include_usage`` a last chunk
+carries usage (and our ``spade`` stats) with empty ``choices``; then ``[DONE]``. ``logprobs``
+is null wherever it is not asked for or carries nothing (role and finish chunks).
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ def chat_role_chunk(identity: StreamIdentity) -> dict:
     return identity.envelope([{"index": 0, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}])
 
 
-def chat_content_chunk(identity: StreamIdentity, text: str) -> dict:
-    return identity.envelope([{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}])
+def chat_content_chunk(identity: StreamIdentity, text: str, logprobs: dict | None = None) -> dict:
+    return identity.envelope([{"index": 0, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}])
 
 
 def chat_finish_chunk(identity: StreamIdentity, finish_reason: str) -> dict:
     return identity.envelope([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}])
 
 
-def completion_text_chunk(identity: StreamIdentity, text: str) -> dict:
-    return identity.envelope([{"index": 0, "text": text, "logprobs": None, "finish_reason": None}])
+def completion_text_chunk(identity: StreamIdentity, text: str, logprobs: dict | None = None) -> dict:
+    return identity.envelope([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}])
 
 
 def completion_finish_chunk(identity: StreamIdentity, finish_reason: str) -> dict:
@@ -53,4 +55,3 @@ def usage_chunk(identity: StreamIdentity, usage: Usage, stats: SpadeStats) -> di
     chunk["usage"] = usage.model_dump()
     chunk["spade"] = stats.model_dump()
     return chunk
-

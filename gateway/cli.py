@@ -13,11 +13,16 @@ import importlib.metadata
 import logging
 import typing
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+if typing.TYPE_CHECKING:
+    from gateway.settings import ServiceSettings
+
 DISTRIBUTION = "spade-gateway"
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
 
 def package_version() -> str:
@@ -54,7 +59,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         env_name = f"{env_prefix}{name}".upper()
         default = "(none)" if field.default is None else field.default
         # A bool setting given alone is true (--allow-no-auth); a value still works (--overlap false).
-        switch = {"nargs": "?", "const": "true", "metavar": "BOOL"} if field.annotation is bool else {}
+        switch: dict[str, Any] = {"nargs": "?", "const": "true", "metavar": "BOOL"} if field.annotation is bool else {}
         # Allowed values go in the help, not argparse choices: pydantic validates (and may
         # normalise, e.g. INFO -> info) and its message names the flag.
         values = allowed_values(field.annotation)
@@ -67,11 +72,16 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
             **switch,
         )
         if field.annotation is bool:
-            parser.add_argument("--no-" + flag[2:], dest=name, action="store_const", const="false",
-                                default=argparse.SUPPRESS, help=f"Same as {flag} false.")
+            parser.add_argument(
+                "--no-" + flag[2:], dest=name, action="store_const", const="false", default=argparse.SUPPRESS, help=f"Same as {flag} false."
+            )
 
 
-def settings_from_arguments(parser: argparse.ArgumentParser, arguments: argparse.Namespace, settings_class: type[BaseSettings]) -> BaseSettings:
+def settings_from_arguments(
+    parser: argparse.ArgumentParser,
+    arguments: argparse.Namespace,
+    settings_class: type[SettingsT],
+) -> SettingsT:
     """Flags given on the command line override the environment, which overrides defaults;
     pydantic validates and converts all of them (a bad value exits with the parser's usage)."""
     try:
@@ -81,7 +91,7 @@ def settings_from_arguments(parser: argparse.ArgumentParser, arguments: argparse
         parser.error(problems)
 
 
-def run_service(prog: str, description: str, settings_class: type[BaseSettings], create_app: Callable, argv: list[str] | None) -> None:
+def run_service(prog: str, description: str, settings_class: type[ServiceSettings], create_app: Callable, argv: list[str] | None) -> None:
     """Parse flags into settings, set up logging and torch threads, serve the app."""
     parser = argparse.ArgumentParser(prog=prog, description=plain_text(description))
     add_version_argument(parser)
@@ -106,9 +116,14 @@ def run_service(prog: str, description: str, settings_class: type[BaseSettings],
         torch.set_num_threads(settings.threads)
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
         # uvicorn waits this long for requests in flight; the app's drain ends streams sooner.
-        timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,
-        ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
+        # uvicorn annotates the timeout int but hands it to asyncio.timeout, which takes float seconds.
+        timeout_graceful_shutdown=settings.shutdown_grace_s + SHUTDOWN_MARGIN_S,  # type: ignore[arg-type]
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
     DrainingServer(config, getattr(app.state, "drain", None)).run()

@@ -6,12 +6,21 @@ The verifier plugs in target-only decoding, the edge speculative decoding; the r
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
+from gateway.errors import InvalidRequestError
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
+
+TopLogprobs = list[tuple[int, float]]
+"""One token's most likely alternatives: (token id, logprob) pairs, most likely first."""
+
+LogprobsSupport = Literal["none", "greedy", "all"]
+"""Which requests an engine can report exact logprobs for: all, greedy ones only (the vLLM
+backend's sample_match route samples inside vLLM and never sees the distribution), or none (a
+verifier from before logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -23,14 +32,35 @@ class GenerationRequest:
     sampling: SamplingConfig
     eos_token_ids: frozenset[int]
     """The engine stops after yielding any of these."""
+    num_top_logprobs: int | None = None
+    """None: no logprobs wanted (nothing computed). N >= 0: each token's logprob and its N most
+    likely alternatives (``spade_core.sampling.reported_logprobs``)."""
 
 
 @dataclass(frozen=True)
 class GeneratedTokens:
-    """Tokens the target accepted or produced, in order, with their raw target log-probs."""
+    """Tokens the target accepted or produced, in order; with logprobs when the request asked."""
 
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float] | None = None
+    """Per token, the target's log-probability of it (``spade_core.sampling.reported_logprobs``);
+    None when not asked."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """Per token, the request's ``num_top_logprobs`` most likely alternatives; None when not asked."""
+
+
+def check_logprobs_support(support: LogprobsSupport, sampling: SamplingConfig, param: str) -> None:
+    """Refuse (400) logprobs that the engine could not report exactly for this sampling."""
+    if support == "all" or (support == "greedy" and sampling.is_greedy):
+        return
+    if support == "greedy":
+        reason = (
+            "at temperature > 0 this verifier (vLLM backend, sample_match route) cannot report them: "
+            "use temperature 0, or run the verifier with --vllm-exact-route full_logprobs"
+        )
+    else:
+        reason = "the verifier is too old to report them: upgrade it"
+    raise InvalidRequestError(f"{param}: {reason}", param=param, code="logprobs_unsupported")
 
 
 class GenerationEngine(Protocol):
@@ -49,7 +79,10 @@ class GenerationEngine(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
+    @property
+    def logprobs_support(self) -> LogprobsSupport: ...
+
+    def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         """Yield token batches until EOS or max_tokens; update ``stats`` as it goes. Closing the
         iterator early (stop string, client gone) must free whatever the engine holds."""
         ...

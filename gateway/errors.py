@@ -8,6 +8,7 @@ Honest codes: the client's mistakes are 4xx, our faults 500, an unreachable or f
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -101,7 +102,7 @@ def error_response(error: BaseException) -> JSONResponse:
 
 
 def _validation_body(error: RequestValidationError) -> ErrorResponse:
-    first = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
+    first: dict[str, Any] = error.errors()[0] if error.errors() else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":  # its loc is ("body", character offset), not a field
         detail = first.get("ctx", {}).get("error", first["msg"])
         return ErrorResponse(error=ErrorBody(message=f"malformed JSON body: {detail}", type="invalid_request_error"))

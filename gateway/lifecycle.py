@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import TypeVar
 
 import uvicorn
@@ -65,7 +65,7 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
-async def until_expired(items: AsyncIterator[T], drain: Drain | None) -> AsyncIterator[T]:
+async def until_expired(items: AsyncGenerator[T, None], drain: Drain | None) -> AsyncGenerator[T, None]:
     """``items`` as they come, until the drain's grace period expires: then the pending step is
     cancelled (closing ``items``) and the shutting-down error is raised."""
     if drain is None:

@@ -36,7 +36,8 @@ class RequestLimits:
         if self.max_prompt_tokens is not None and num_prompt_tokens > self.max_prompt_tokens:
             raise InvalidRequestError(
                 f"the prompt has {num_prompt_tokens} tokens; this service accepts at most {self.max_prompt_tokens}",
-                param="prompt", code="prompt_too_long",
+                param="prompt",
+                code="prompt_too_long",
             )
 
     def budget(self, asked: int | None, room: int) -> int:
@@ -45,7 +46,8 @@ class RequestLimits:
         if asked is not None and asked > self.max_tokens_cap:
             raise InvalidRequestError(
                 f"max_tokens is {asked}; this service allows at most {self.max_tokens_cap}",
-                param="max_tokens", code="max_tokens_exceeded",
+                param="max_tokens",
+                code="max_tokens_exceeded",
             )
         return asked if asked is not None else min(self.default_max_tokens, room)
 
@@ -127,7 +129,8 @@ class ConcurrencyLimitMiddleware:
             error = OverloadedError(
                 f"{self.num_active} requests are running, the most this service serves at once "
                 f"(max_concurrent_requests={self.max_concurrent}); retry shortly",
-                code="too_many_requests", retry_after_s=self.retry_after_s,
+                code="too_many_requests",
+                retry_after_s=self.retry_after_s,
             )
             await error_response(error)(scope, receive, send)
             return

@@ -41,7 +41,7 @@ def install_openapi(app: FastAPI, requires_key: bool) -> None:
             app.openapi_schema = document
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the document
 
 
 def _drop_validation_error(document: dict) -> None:
@@ -60,7 +60,10 @@ def _declare_bearer(document: dict) -> None:
             continue
         for operation in path_item.values():
             operation["security"] = [{"bearer": []}]
-            operation.setdefault("responses", {}).setdefault("401", {
-                "description": ERROR_DESCRIPTIONS[401],
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
-            })
+            operation.setdefault("responses", {}).setdefault(
+                "401",
+                {
+                    "description": ERROR_DESCRIPTIONS[401],
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+                },
+            )

@@ -34,8 +34,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     if not any(special in message["content"] for message in messages for special in specials):
         return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
     markers = [f"\ue000{uuid.uuid4().hex}\ue001" for _ in messages]
-    rendered = render_chat(tokenizer, [message | {"content": marker} for message, marker in zip(messages, markers)])
-    content_of = {marker: message["content"] for marker, message in zip(markers, messages)}
+    rendered = render_chat(tokenizer, [message | {"content": marker} for message, marker in zip(messages, markers, strict=True)])
+    content_of = {marker: message["content"] for marker, message in zip(markers, messages, strict=True)}
     token_ids: list[int] = []
     position = 0
     for match in re.finditer("|".join(map(re.escape, markers)), rendered):

@@ -11,17 +11,21 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from spade_core.params import MAX_SEED, MAX_TEMPERATURE
 
 # The sampling parameters, with the bounds of spade_core.params: the OpenAI requests below and
 # the edge <-> verifier wire (verifier_service.protocol) use these same fields.
-Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                                     description="0 is greedy; below 1e-5 counts as 0.")]
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False, description="0 is greedy; below 1e-5 counts as 0.")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, description="Extension: 0 or -1 disables.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
+MAX_TOP_LOGPROBS = 20
+"""Alternatives per token: chat's ``top_logprobs`` (OpenAI's bound), and the wire's."""
+MAX_COMPLETION_LOGPROBS = 5
+"""Alternatives per token of the legacy completions API (``logprobs``, OpenAI's bound)."""
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 1024
@@ -127,19 +131,46 @@ class _GenerationFields(UnicodeChecked):
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(default=False, description="Return each output token's log-probability.")
+    top_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Also its most likely alternatives (needs logprobs: true)."
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # A field validator (not a model one) so that the 400 names the param.
+        if value is not None and "logprobs" in info.data and not info.data["logprobs"]:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; N: each token's logprob and N alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(_GenerationFields):
     prompt: str | list[int]
     echo: bool = False
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_COMPLETION_LOGPROBS,
+        description="Return each output token's log-probability and this many most likely alternatives.",
+    )
 
     @property
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class SpadeStats(BaseModel):
@@ -175,16 +206,44 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+FinishReason = Literal["stop", "length"]
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One token and its log-probability (``spade_core.sampling.reported_logprobs``)."""
+
+    token: str = Field(description="The token's own text (its id decoded alone, as vLLM does).")
+    logprob: float
+    bytes: list[int] | None = Field(description="The token's UTF-8 bytes (a byte-level token's own bytes).")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="The most likely tokens at this position, most likely first.")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's logprobs: parallel lists, one entry per output token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(description="The chosen token and the N most likely, by their text.")
+    text_offset: list[int] = Field(description="Where each token's text starts in the choice's text.")
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -200,8 +259,8 @@ class ChatCompletionResponse(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -62,7 +62,9 @@ def build_openai_router() -> APIRouter:
         engine = current_engine(request)
         return ModelList(data=[ModelCard(id=engine.model_id, max_model_len=engine.max_context_length)])
 
-    @router.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics."}} | error_responses(401))
+    metrics_responses: dict[int | str, dict] = {200: {"content": {"text/plain": {}}, "description": "Prometheus metrics."}}
+
+    @router.get("/metrics", response_class=Response, responses=metrics_responses | error_responses(401))
     async def metrics(request: Request) -> Response:
         registry: CollectorRegistry = request.app.state.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -16,19 +16,59 @@ DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
 class ServiceSettings(BaseSettings):
-    api_key: str | None = Field(None, description="API key(s) clients must send as 'Authorization: Bearer <key>'; comma-separated for rotation. Required on every route but /health (and /metrics with --no-metrics-require-key).")
+    api_key: str | None = Field(
+        None,
+        description=(
+            "API key(s) clients must send as 'Authorization: Bearer <key>'; comma-separated for rotation. "
+            "Required on every route but /health (and /metrics with --no-metrics-require-key)."
+        ),
+    )
     api_key_file: str | None = Field(None, description="File of API keys, one per line (added to --api-key).")
     allow_no_auth: bool = Field(False, description="Listen on a non-loopback address without an API key (refused otherwise).")
-    metrics_require_key: bool = Field(True, description="With API keys set, /metrics needs a key too; --no-metrics-require-key leaves it open to scrapers.")
-    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024, description="Largest request body in bytes; larger ones get 413 before they are read.")
-    max_concurrent_requests: int = Field(64, ge=1, description="Generation requests (chat/completions) served at once; more get 429 with Retry-After.")
+    metrics_require_key: bool = Field(
+        True,
+        description="With API keys set, /metrics needs a key too; --no-metrics-require-key leaves it open to scrapers.",
+    )
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES,
+        ge=1024,
+        description="Largest request body in bytes; larger ones get 413 before they are read.",
+    )
+    max_concurrent_requests: int = Field(
+        64,
+        ge=1,
+        description="Generation requests (chat/completions) served at once; more get 429 with Retry-After.",
+    )
     max_tokens_cap: int = Field(8192, ge=1, description="Largest max_tokens a request may ask for (400 above).")
     default_max_tokens: int = Field(1024, ge=1, description="max_tokens of a request that sets none (capped by the context left).")
-    max_prompt_tokens: int | None = Field(None, ge=1, description="Longest prompt in tokens (400 above); default: the model's context length.")
-    shutdown_grace_s: float = Field(10.0, ge=0, description="On SIGTERM, in-flight requests get this long to finish; streams still running then end with an error event and [DONE].")
-    ssl_certfile: str | None = Field(None, description="TLS certificate (PEM) to serve HTTPS directly; usually a reverse proxy terminates TLS instead.")
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens (400 above); default: the model's context length.",
+    )
+    shutdown_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description=(
+            "On SIGTERM, in-flight requests get this long to finish; streams still running then end with an error event and [DONE]."
+        ),
+    )
+    ssl_certfile: str | None = Field(
+        None,
+        description="TLS certificate (PEM) to serve HTTPS directly; usually a reverse proxy terminates TLS instead.",
+    )
     ssl_keyfile: str | None = Field(None, description="TLS private key (PEM) for --ssl-certfile.")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Logging level of the service and its web server (any case).")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info",
+        description="Logging level of the service and its web server (any case).",
+    )
+    if TYPE_CHECKING:
+        # Fields each service defines with its own default and help (EdgeSettings, VerifierSettings),
+        # which gateway.cli.run_service reads: declared for the type checker only, so that they stay
+        # where the subclasses list them in --help.
+        host: str
+        port: int
+        threads: int | None
 
     @field_validator("log_level", mode="before")
     @classmethod

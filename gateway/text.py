@@ -36,14 +36,14 @@ class IncrementalDetokenizer:
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._token_ids))
         self._prefix_offset = self._read_offset = len(self._token_ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
@@ -81,7 +81,7 @@ class StopStringFilter:
         return self._release(len(self.text))
 
     def _release(self, end: int) -> str:
-        released = self.text[self.num_released:end] if end > self.num_released else ""
+        released = self.text[self.num_released : end] if end > self.num_released else ""
         self.num_released = max(self.num_released, end)
         return released
 

@@ -43,8 +43,12 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, tempera
     pieces: list[str] = []
     num_tokens, stats = None, {}
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=temperature, stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -115,14 +119,18 @@ def verdict(baseline: StreamResult, spade: StreamResult, temperature: float) -> 
         same += " (sampled: expected to differ)"
     if spade.tokens_per_s >= baseline.tokens_per_s:
         return same + "."
-    return (same + ". SPADE was slower than the target alone on this prompt: speculation pays when the"
-            " draft agrees with the target often (code more than prose) and the target's pass dominates.")
+    return (
+        same + ". SPADE was slower than the target alone on this prompt: speculation pays when the"
+        " draft agrees with the target often (code more than prose) and the target's pass dominates."
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the edge's OpenAI API (default: %(default)s)")
-    parser.add_argument("--baseline-url", default=None, help="the verifier's OpenAI API, for the target-only baseline (e.g. http://127.0.0.1:8001/v1)")
+    parser.add_argument(
+        "--baseline-url", default=None, help="the verifier's OpenAI API, for the target-only baseline (e.g. http://127.0.0.1:8001/v1)"
+    )
     parser.add_argument("--no-baseline", action="store_true", help="run SPADE only")
     parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct", help="the target's model id (default: %(default)s)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message (default: a palindrome function)")
@@ -134,7 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
 def run_baseline(arguments: argparse.Namespace) -> StreamResult | None:
     print(f"target alone ({arguments.baseline_url}): the same prompt, {arguments.max_tokens} tokens at most ...", flush=True)
     try:
-        result = stream_chat(arguments.baseline_url, arguments.model, arguments.prompt, arguments.max_tokens, arguments.temperature, echo=False)
+        result = stream_chat(
+            arguments.baseline_url,
+            arguments.model,
+            arguments.prompt,
+            arguments.max_tokens,
+            arguments.temperature,
+            echo=False,
+        )
     except OpenAIError as error:
         print(f"target alone: failed ({error}); showing SPADE only")
         return None
@@ -151,8 +166,10 @@ def main() -> None:
     spade = stream_chat(arguments.base_url, arguments.model, arguments.prompt, arguments.max_tokens, arguments.temperature, echo=True)
     print("\n")
     if baseline is None:
-        print(f"SPADE: {spade.num_tokens} tokens in {spade.elapsed_s:.1f} s ({spade.tokens_per_s:.2f} tokens/s), "
-              f"first token after {_seconds(spade.first_token_s)}, {spade.num_target_passes} target forward passes")
+        print(
+            f"SPADE: {spade.num_tokens} tokens in {spade.elapsed_s:.1f} s ({spade.tokens_per_s:.2f} tokens/s), "
+            f"first token after {_seconds(spade.first_token_s)}, {spade.num_target_passes} target forward passes"
+        )
     else:
         print(format_table(comparison_rows(baseline, spade)))
         print()

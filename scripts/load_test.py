@@ -103,12 +103,17 @@ def percentile(values: list[float], fraction: float) -> float:
 
 
 def report(name: str, results: list[StreamResult], expected: list[str]) -> dict:
-    exact = sum(result.finished and result.text == want for result, want in zip(results, expected))
-    cut_cleanly = sum(result.errored and want.startswith(result.text) for result, want in zip(results, expected))
+    exact = sum(result.finished and result.text == want for result, want in zip(results, expected, strict=True))
+    cut_cleanly = sum(result.errored and want.startswith(result.text) for result, want in zip(results, expected, strict=True))
     summary = {
-        "scenario": name, "streams": len(results), "exact": exact, "ended_with_error_then_done": cut_cleanly,
-        "violations": len(results) - exact - cut_cleanly, "errors": sum(not result.finished for result in results),
-        "p50_s": round(statistics.median(r.seconds for r in results), 3), "p99_s": round(percentile([r.seconds for r in results], 0.99), 3),
+        "scenario": name,
+        "streams": len(results),
+        "exact": exact,
+        "ended_with_error_then_done": cut_cleanly,
+        "violations": len(results) - exact - cut_cleanly,
+        "errors": sum(not result.finished for result in results),
+        "p50_s": round(statistics.median(r.seconds for r in results), 3),
+        "p99_s": round(percentile([r.seconds for r in results], 0.99), 3),
     }
     print(json.dumps(summary), flush=True)
     return summary
@@ -136,8 +141,27 @@ def main() -> int:
     try:
         wait_healthy(verifier_url)
         for port in edge_ports:
-            processes.append(start("edge_agent.cli", "--draft-model", str(draft), "--verifier-url", verifier_url, "--port", str(port),
-                                   "--verifier-api-key", KEY, "--api-key", KEY, "--draft-length", "4", "--circuit-open-s", "1", "--threads", "1"))
+            processes.append(
+                start(
+                    "edge_agent.cli",
+                    "--draft-model",
+                    str(draft),
+                    "--verifier-url",
+                    verifier_url,
+                    "--port",
+                    str(port),
+                    "--verifier-api-key",
+                    KEY,
+                    "--api-key",
+                    KEY,
+                    "--draft-length",
+                    "4",
+                    "--circuit-open-s",
+                    "1",
+                    "--threads",
+                    "1",
+                )
+            )
         for url in edge_urls:
             wait_healthy(url)
         prompts = [f"Request {index}: the edge drafts" for index in range(arguments.streams)]

@@ -44,7 +44,10 @@ def ms_per_token(drafter, prompt_ids: list[int], num_blocks: int, sampling: Samp
 
 
 def summary(timings: list[float]) -> str:
-    return f"median {statistics.median(timings):.1f} ms/token (min {min(timings):.1f}, max {max(timings):.1f}, {len(timings)} blocks of {BLOCK})"
+    return (
+        f"median {statistics.median(timings):.1f} ms/token "
+        f"(min {min(timings):.1f}, max {max(timings):.1f}, {len(timings)} blocks of {BLOCK})"
+    )
 
 
 def time_call(function, repeats: int = 20) -> float:
@@ -75,7 +78,10 @@ def measure_llamacpp(prompt_ids: list[int], threads: int, num_blocks: int) -> No
         beside += ms_per_token(drafter, prompt_ids, 2)
         neighbour.close()
         neighbour = drafter.start_session()
-    print(f"shared context: alone {statistics.median(alone):.1f} ms/token, beside a 3000-token session {statistics.median(beside):.1f} ms/token")
+    print(
+        f"shared context: alone {statistics.median(alone):.1f} ms/token, "
+        f"beside a 3000-token session {statistics.median(beside):.1f} ms/token"
+    )
     drafter.close()
 
 

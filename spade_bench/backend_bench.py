@@ -29,6 +29,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,9 +39,6 @@ from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms, processed_probs, sample_from
 from spade_models.loader import LoadedModel, ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
-
-# vLLM CPU attention supports head dimensions 32, 64, ...: the tiny pair with head_dim 32.
-TINY_SPEC_KWARGS = dict(hidden_size=64, num_heads=2, num_kv_heads=1, seed=11)
 
 
 @dataclass(frozen=True)
@@ -80,12 +78,20 @@ def process_tree_rss_gib() -> float:
     return sum(p.memory_info().rss for p in processes if p.is_running()) / 2**30
 
 
-def draft_block(draft: LoadedModel | None, context: list[int], sampling: SamplingConfig, num_drafted: int,
-                vocab_size: int, num_real_tokens: int, rng: random.Random) -> tuple[list[int], torch.Tensor | None]:
+def draft_block(
+    draft: LoadedModel | None,
+    context: list[int],
+    sampling: SamplingConfig,
+    num_drafted: int,
+    vocab_size: int,
+    num_real_tokens: int,
+    rng: random.Random,
+) -> tuple[list[int], torch.Tensor | None]:
     """What the edge sends: drafted tokens and (temperature > 0) the full distributions used."""
     if draft is None:
         return [rng.randrange(3, num_real_tokens) for _ in range(num_drafted)], None
-    tokens, rows = [], []
+    tokens: list[int] = []
+    rows: list[torch.Tensor] = []
     for offset in range(num_drafted):
         with torch.inference_mode():
             logits = draft.model(input_ids=torch.tensor([context + tokens])).logits[0, -1].float()
@@ -96,15 +102,21 @@ def draft_block(draft: LoadedModel | None, context: list[int], sampling: Samplin
     return tokens, (None if sampling.is_greedy else torch.stack(rows))
 
 
-async def run_rounds(backend: VerifierBackend, draft: LoadedModel | None, config: BenchConfig,
-                     temperature: float, concurrency: int, label: str) -> RunStats:
+async def run_rounds(
+    backend: VerifierBackend, draft: LoadedModel | None, config: BenchConfig, temperature: float, concurrency: int, label: str
+) -> RunStats:
     rng = random.Random(config.seed)
     vocab_size = backend.info.vocab_size
     # Random tokens come from the tokenizer's table, as real text would (Qwen2.5's logits have
     # 151,936 rows, its tokenizer 151,665 tokens).
-    num_real_tokens = min(vocab_size, len(backend.info.tokenizer))
-    sessions = [Session(f"{label}-{index}", [rng.randrange(3, num_real_tokens) for _ in range(config.context_length)])
-                for index in range(concurrency)]
+    tokenizer = backend.info.tokenizer  # typed ``object`` in ModelInfo: a transformers tokenizer
+    if not isinstance(tokenizer, Sized):
+        raise ValueError(f"{label}: the backend's tokenizer does not tell its number of tokens")
+    num_real_tokens = min(vocab_size, len(tokenizer))
+    sessions = [
+        Session(f"{label}-{index}", [rng.randrange(3, num_real_tokens) for _ in range(config.context_length)])
+        for index in range(concurrency)
+    ]
     stats = RunStats()
     for round_index in range(config.rounds + 1):  # round 0 warms each session up, untimed
         blocks = []
@@ -115,7 +127,7 @@ async def run_rounds(backend: VerifierBackend, draft: LoadedModel | None, config
         started = time.perf_counter()
         results = await asyncio.gather(*[timed_verify(backend, block) for block in blocks])
         wall_s = time.perf_counter() - started
-        for session, block, (verdict, latency_s) in zip(sessions, blocks, results):
+        for session, block, (verdict, latency_s) in zip(sessions, blocks, results, strict=True):
             session.context += block.draft_token_ids[: verdict.num_accepted] + [verdict.next_token_id]
             if round_index:
                 record(stats, verdict, latency_s)
@@ -143,10 +155,17 @@ def table_row(name: str, temperature: float, concurrency: int, stats: RunStats, 
     latencies_ms = sorted(latency * 1000 for latency in stats.latencies_s)
     p90 = latencies_ms[min(len(latencies_ms) - 1, int(0.9 * len(latencies_ms)))]
     cells = [
-        name, f"{temperature:g}", str(concurrency), f"{statistics.mean(latencies_ms):.1f}",
-        f"{statistics.median(latencies_ms):.1f}", f"{p90:.1f}", f"{stats.num_calls / stats.wall_s:.1f}",
-        f"{stats.num_committed / stats.wall_s:.1f}", f"{stats.num_accepted / stats.num_calls:.2f}",
-        f"{stats.num_target_tokens / stats.num_calls:.1f}", f"{rss_gib:.2f}",
+        name,
+        f"{temperature:g}",
+        str(concurrency),
+        f"{statistics.mean(latencies_ms):.1f}",
+        f"{statistics.median(latencies_ms):.1f}",
+        f"{p90:.1f}",
+        f"{stats.num_calls / stats.wall_s:.1f}",
+        f"{stats.num_committed / stats.wall_s:.1f}",
+        f"{stats.num_accepted / stats.num_calls:.2f}",
+        f"{stats.num_target_tokens / stats.num_calls:.1f}",
+        f"{rss_gib:.2f}",
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -157,8 +176,9 @@ TABLE_HEADER = (
 )
 
 
-async def bench_backend(name: str, backends: list[tuple[str, VerifierBackend]], draft: LoadedModel | None,
-                        config: BenchConfig) -> list[str]:
+async def bench_backend(
+    name: str, backends: Sequence[tuple[str, VerifierBackend]], draft: LoadedModel | None, config: BenchConfig
+) -> list[str]:
     rows = []
     for temperature in config.temperatures:
         for route_name, backend in backends:
@@ -176,8 +196,12 @@ async def transformers_rows(source: ModelSource, draft: LoadedModel | None, conf
     from verifier_service.backends.transformers_backend import TransformersBackend
 
     started = time.perf_counter()
-    backend = TransformersBackend(load_model(source, "cpu", args.dtype), args.max_model_len,
-                                  fast_kernels=args.cpu_kernels != "stock", batch_invariant=args.cpu_kernels == "batch_invariant")
+    backend = TransformersBackend(
+        load_model(source, "cpu", args.dtype),
+        args.max_model_len,
+        fast_kernels=args.cpu_kernels != "stock",
+        batch_invariant=args.cpu_kernels == "batch_invariant",
+    )
     print(f"transformers backend loaded in {time.perf_counter() - started:.1f} s", flush=True)
     try:
         return await bench_backend("transformers", [("transformers", backend)], draft, config)
@@ -188,10 +212,12 @@ async def transformers_rows(source: ModelSource, draft: LoadedModel | None, conf
 async def vllm_rows(source: ModelSource, draft: LoadedModel | None, config: BenchConfig, args) -> list[str]:
     from verifier_service.backends.vllm_backend import EXACT_ROUTES, create_vllm_backend
 
-    backend = await create_vllm_backend(source, dtype=args.dtype, max_model_len=args.max_model_len,
-                                        block_size=args.block_size, kv_cache_gib=args.kv_cache_gib)
-    print(f"vLLM engine start {backend.startup.engine_s:.1f} s, warm-up {backend.startup.warmup_s:.1f} s, "
-          f"RSS after start {process_tree_rss_gib():.2f} GiB", flush=True)
+    backend = await create_vllm_backend(
+        source, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib
+    )
+    startup = backend.startup
+    timings = f"start {startup.engine_s:.1f} s, warm-up {startup.warmup_s:.1f} s" if startup else "started"
+    print(f"vLLM engine {timings}, RSS after start {process_tree_rss_gib():.2f} GiB", flush=True)
     try:
         names = args.routes.split(",")
         if not set(names) <= set(EXACT_ROUTES):
@@ -205,7 +231,9 @@ async def vllm_rows(source: ModelSource, draft: LoadedModel | None, config: Benc
 def tiny_sources(directory: Path) -> tuple[ModelSource, ModelSource]:
     from spade_models.tiny import TinyPairSpec, build_tiny_pair
 
-    target, draft = build_tiny_pair(directory, TinyPairSpec(**TINY_SPEC_KWARGS))
+    # vLLM CPU attention supports head dimensions 32, 64, ...: the tiny pair with head_dim 32.
+    spec = TinyPairSpec(hidden_size=64, num_heads=2, num_kv_heads=1, seed=11)
+    target, draft = build_tiny_pair(directory, spec)
     return ModelSource(str(target)), ModelSource(str(draft))
 
 
@@ -216,8 +244,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--draft", help="draft model for realistic blocks ('none': random tokens)")
     parser.add_argument("--backends", default="transformers,vllm")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--cpu-kernels", choices=("fast", "batch_invariant", "stock"), default="fast",
-                        help="transformers backend on CPU: the verifier's kernels (its default), batch-invariant, or stock transformers")
+    parser.add_argument(
+        "--cpu-kernels",
+        choices=("fast", "batch_invariant", "stock"),
+        default="fast",
+        help="transformers backend on CPU: the verifier's kernels (its default), batch-invariant, or stock transformers",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -226,8 +258,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=BenchConfig.rounds)
     parser.add_argument("--concurrency", default="1,8", help="comma-separated session counts")
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures")
-    parser.add_argument("--routes", default="sample_match,full_logprobs",
-                        help="vLLM exact routes for temperature > 0 (full_logprobs is prompt x vocab per call)")
+    parser.add_argument(
+        "--routes",
+        default="sample_match,full_logprobs",
+        help="vLLM exact routes for temperature > 0 (full_logprobs is prompt x vocab per call)",
+    )
     return parser.parse_args(argv)
 
 
@@ -240,7 +275,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[str]:
         draft_source = None if args.draft == "none" else ModelSource(args.draft)
     draft = load_model(draft_source, "cpu", "float32") if draft_source else None
     config = BenchConfig(
-        context_length=args.context_length, num_drafted=args.num_drafted, rounds=args.rounds,
+        context_length=args.context_length,
+        num_drafted=args.num_drafted,
+        rounds=args.rounds,
         concurrencies=tuple(int(value) for value in args.concurrency.split(",")),
         temperatures=tuple(float(value) for value in args.temperatures.split(",")),
     )
@@ -257,9 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="spade-backend-bench-") as workdir:
         rows = asyncio.run(run(args, Path(workdir)))
-    print(f"\nverify calls: context {args.context_length} tokens, {args.num_drafted} drafted per call, "
-          f"{args.rounds} rounds, dtype {args.dtype}, {torch.get_num_threads()} torch threads, "
-          f"load average {os.getloadavg()[0]:.1f}\n")
+    print(
+        f"\nverify calls: context {args.context_length} tokens, {args.num_drafted} drafted per call, "
+        f"{args.rounds} rounds, dtype {args.dtype}, {torch.get_num_threads()} torch threads, "
+        f"load average {os.getloadavg()[0]:.1f}\n"
+    )
     print(TABLE_HEADER)
     print("\n".join(rows))
 

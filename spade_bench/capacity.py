@@ -45,16 +45,22 @@ from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
 from spade_bench.services import ServiceSpec, edge_command, parse_prometheus, start_service, verifier_command
 
-METRIC_NAMES = ("process_cpu_seconds_total", "spade_verifier_queue_seconds_sum", "spade_verifier_queue_seconds_count",
-                "spade_verifier_batch_sessions_sum", "spade_verifier_batch_sessions_count",
-                "spade_verifier_forward_passes_total")
+METRIC_NAMES = (
+    "process_cpu_seconds_total",
+    "spade_verifier_queue_seconds_sum",
+    "spade_verifier_queue_seconds_count",
+    "spade_verifier_batch_sessions_sum",
+    "spade_verifier_batch_sessions_count",
+    "spade_verifier_forward_passes_total",
+)
 
 
 # --- record -----------------------------------------------------------------------------------
 
 
-def record_sessions(edge_url: str, recorder: VerifyRecorder, items: list[BenchItem], generation: Generation,
-                    timeout_s: float = 1800.0) -> list[RecordedSession]:
+def record_sessions(
+    edge_url: str, recorder: VerifyRecorder, items: list[BenchItem], generation: Generation, timeout_s: float = 1800.0
+) -> list[RecordedSession]:
     """One chat request per item through the edge, one at a time; each becomes a session."""
     sessions = []
     with make_client(edge_url, timeout_s) as client:
@@ -66,8 +72,11 @@ def record_sessions(edge_url: str, recorder: VerifyRecorder, items: list[BenchIt
             session_ids = recorder.sessions_since(started_at)
             if len(session_ids) != 1:
                 raise RuntimeError(f"item {item.item_id}: expected one verify session, saw {len(session_ids)}")
-            sessions.append(recorder.session(session_ids[0], started_at, item.item_id, messages,
-                                             generation.max_tokens, result.completion_tokens, result.text))
+            sessions.append(
+                recorder.session(
+                    session_ids[0], started_at, item.item_id, messages, generation.max_tokens, result.completion_tokens, result.text
+                )
+            )
     return sessions
 
 
@@ -101,8 +110,15 @@ async def target_user(client: httpx.AsyncClient, model: str, session: RecordedSe
     """One target-only user: the same prompt streamed from the verifier's OpenAI route."""
     started_at = time.perf_counter()
     await asyncio.sleep(rtt_s)  # one round trip per streamed request
-    body = {"model": model, "messages": session.messages, "max_tokens": session.max_tokens, "temperature": 0.0,
-            "seed": 0, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": session.messages,
+        "max_tokens": session.max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     ttft_s, tokens = None, 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
@@ -117,8 +133,9 @@ async def target_user(client: httpx.AsyncClient, model: str, session: RecordedSe
     return UserResult(TARGET, tokens, started_at, time.perf_counter(), ttft_s)
 
 
-async def run_level(verifier_url: str, mode: str, sessions: list[RecordedSession], num_users: int,
-                    rtt_s: float, timeout_s: float = 1800.0) -> tuple[list[UserResult], dict[str, float]]:
+async def run_level(
+    verifier_url: str, mode: str, sessions: list[RecordedSession], num_users: int, rtt_s: float, timeout_s: float = 1800.0
+) -> tuple[list[UserResult], dict[str, float]]:
     """N users at once (user k replays session k mod len); returns them and the /metrics delta."""
     limits = httpx.Limits(max_connections=num_users + 4)
     async with httpx.AsyncClient(base_url=verifier_url, timeout=timeout_s, limits=limits) as client:
@@ -139,15 +156,20 @@ async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
     return parse_prometheus(response.text)
 
 
-def measure_levels(verifier_url: str, sessions: list[RecordedSession], user_counts: tuple[int, ...],
-                   modes: tuple[str, ...], rtt_s: float, label: str = "") -> list[LevelRow]:
+def measure_levels(
+    verifier_url: str, sessions: list[RecordedSession], user_counts: tuple[int, ...], modes: tuple[str, ...], rtt_s: float, label: str = ""
+) -> list[LevelRow]:
     rows = []
     for num_users in user_counts:
         for mode in modes:
             users, delta = asyncio.run(run_level(verifier_url, mode, sessions, num_users, rtt_s))
             row = level_row(mode + label, users, delta)
-            print(f"  {row.mode} N={num_users}: {row.aggregate_tok_s:.2f} tok/s aggregate, "
-                  f"{row.user_tok_s_p50:.2f} per user (p50), {row.num_mismatches} mismatches", file=sys.stderr, flush=True)
+            print(
+                f"  {row.mode} N={num_users}: {row.aggregate_tok_s:.2f} tok/s aggregate, "
+                f"{row.user_tok_s_p50:.2f} per user (p50), {row.num_mismatches} mismatches",
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append(row)
     return rows
 
@@ -179,19 +201,22 @@ class CapacityConfig:
 def _verifier_spec(config: CapacityConfig, batch: int) -> ServiceSpec:
     command = verifier_command(config.target, None, config.dtype, config.placement.threads)
     command += ("--max-batch-sessions", str(batch), *config.verifier_args)
-    return ServiceSpec(f"verifier-batch{batch}", command, config.placement.verifier_cores,
-                       config.placement.threads, config.output_dir / "logs")
+    return ServiceSpec(
+        f"verifier-batch{batch}", command, config.placement.verifier_cores, config.placement.threads, config.output_dir / "logs"
+    )
 
 
 def record_phase(config: CapacityConfig) -> list[RecordedSession]:
     """The real edge against the verifier (batching off), through the recording proxy."""
     recorder = VerifyRecorder()
-    with start_service(_verifier_spec(config, 1), config.startup_timeout_s) as verifier, \
-            ThreadServer(recording_app(verifier.url, recorder)) as proxy_url:
-        command = edge_command(config.draft, None, config.dtype, config.placement.threads, proxy_url,
-                               config.draft_length) + config.edge_args
-        spec = ServiceSpec("edge-record", command, config.placement.edge_cores, config.placement.threads,
-                           config.output_dir / "logs")
+    with (
+        start_service(_verifier_spec(config, 1), config.startup_timeout_s) as verifier,
+        ThreadServer(recording_app(verifier.url, recorder)) as proxy_url,
+    ):
+        command = (
+            edge_command(config.draft, None, config.dtype, config.placement.threads, proxy_url, config.draft_length) + config.edge_args
+        )
+        spec = ServiceSpec("edge-record", command, config.placement.edge_cores, config.placement.threads, config.output_dir / "logs")
         with start_service(spec, config.startup_timeout_s) as edge:
             return record_sessions(edge.url, recorder, config.items, Generation(config.max_tokens))
 
@@ -210,15 +235,25 @@ def run_capacity(config: CapacityConfig) -> tuple[list[RecordedSession], list[Le
 
 def write_outputs(config: CapacityConfig, sessions: list[RecordedSession], rows: list[LevelRow]) -> str:
     table = markdown_table(rows, config.user_tokens_per_s)
-    setup = (f"target {config.target}, draft {config.draft} (k={config.draft_length}), {config.dtype}, "
-             f"{config.max_tokens} tokens per user, RTT {config.rtt_ms:g} ms, {len(sessions)} recorded session(s), "
-             f"verifier on cores {list(config.placement.verifier_cores)} with {config.placement.threads} thread(s)")
+    setup = (
+        f"target {config.target}, draft {config.draft} (k={config.draft_length}), {config.dtype}, "
+        f"{config.max_tokens} tokens per user, RTT {config.rtt_ms:g} ms, {len(sessions)} recorded session(s), "
+        f"verifier on cores {list(config.placement.verifier_cores)} with {config.placement.threads} thread(s)"
+    )
     markdown = f"# Capacity\n\n{setup}\n\n{table}\n"
     (config.output_dir / "capacity.md").write_text(markdown)
-    (config.output_dir / "capacity.json").write_text(json.dumps(
-        {"setup": setup, "rows": [row.to_dict() for row in rows],
-         "recorded": [{"item_id": s.item_id, "calls": len(s.calls), "tokens": s.completion_tokens,
-                       "clean": s.is_clean} for s in sessions]}, indent=2))
+    (config.output_dir / "capacity.json").write_text(
+        json.dumps(
+            {
+                "setup": setup,
+                "rows": [row.to_dict() for row in rows],
+                "recorded": [
+                    {"item_id": s.item_id, "calls": len(s.calls), "tokens": s.completion_tokens, "clean": s.is_clean} for s in sessions
+                ],
+            },
+            indent=2,
+        )
+    )
     write_plots(rows, config.output_dir / "plots", title=setup[:90])
     return markdown
 
@@ -231,8 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.cli import add_version_argument, plain_text
 
     doc = plain_text(__doc__)
-    parser = argparse.ArgumentParser(prog="spade-bench capacity", description=doc.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc.split("\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        prog="spade-bench capacity",
+        description=doc.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=doc.split("\n", 1)[1],
+    )
     add_version_argument(parser)
     parser.add_argument("--data", action="append", default=[], metavar="PATH", help="Spec-Bench or CNN/DM .jsonl")
     parser.add_argument("--limit", type=int, default=1, help="items per category (default 1)")
@@ -240,8 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per user (default 32)")
     parser.add_argument("--users", type=_ints, default=(1, 2, 4, 8), help="comma list of N (default 1,2,4,8)")
     parser.add_argument("--modes", default="spade,target", help="comma list: spade and/or target (default spade,target)")
-    parser.add_argument("--batch-sessions", type=_ints, default=(1,),
-                        help="comma list of verifier --max-batch-sessions values, one verifier each (default 1)")
+    parser.add_argument(
+        "--batch-sessions",
+        type=_ints,
+        default=(1,),
+        help="comma list of verifier --max-batch-sessions values, one verifier each (default 1)",
+    )
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="link round trip per verify call / target request (default 20)")
     parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target (default 1.0)")
     parser.add_argument("--draft-length", default="8", help="the recording edge's --draft-length (default 8)")
@@ -251,9 +294,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="threads per service (default 1)")
     parser.add_argument("--verifier-args", type=shlex.split, default=(), help="extra spade-verifier flags, one quoted string")
     parser.add_argument("--edge-args", type=shlex.split, default=(), help="extra spade-edge flags, one quoted string")
-    parser.add_argument("--startup-timeout-s", "--startup-timeout", dest="startup_timeout_s", metavar="S", type=float,
-                        default=CapacityConfig.startup_timeout_s,
-                        help=f"seconds to wait for a service's /health (default {CapacityConfig.startup_timeout_s:g})")
+    parser.add_argument(
+        "--startup-timeout-s",
+        "--startup-timeout",
+        dest="startup_timeout_s",
+        metavar="S",
+        type=float,
+        default=CapacityConfig.startup_timeout_s,
+        help=f"seconds to wait for a service's /health (default {CapacityConfig.startup_timeout_s:g})",
+    )
     parser.add_argument("--recording", type=Path, help="replay this recording.jsonl instead of recording")
     parser.add_argument("--quick", action="store_true", help="the tiny pair (built under --output), 16 tokens")
     parser.add_argument("--output", type=Path, default=Path("capacity_results"), help="results directory (default capacity_results)")
@@ -266,12 +315,24 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
     selection = DataSelection(categories=tuple(c for c in args.categories.split(",") if c), limit=args.limit)
     items = [item for path in args.data for item in load_items(path, selection)]
     config = CapacityConfig(
-        items=items, output_dir=args.output, target=args.target, draft=args.draft, dtype=args.dtype,
-        max_tokens=args.max_tokens, draft_length=args.draft_length, user_counts=args.users,
-        modes=tuple(m for m in args.modes.split(",") if m), batch_sessions=args.batch_sessions,
-        rtt_ms=args.rtt_ms, user_tokens_per_s=args.user_tokens_per_s, placement=Placement.default(args.threads),
-        verifier_args=tuple(args.verifier_args), edge_args=tuple(args.edge_args), recording=args.recording,
-        startup_timeout_s=args.startup_timeout_s)
+        items=items,
+        output_dir=args.output,
+        target=args.target,
+        draft=args.draft,
+        dtype=args.dtype,
+        max_tokens=args.max_tokens,
+        draft_length=args.draft_length,
+        user_counts=args.users,
+        modes=tuple(m for m in args.modes.split(",") if m),
+        batch_sessions=args.batch_sessions,
+        rtt_ms=args.rtt_ms,
+        user_tokens_per_s=args.user_tokens_per_s,
+        placement=Placement.default(args.threads),
+        verifier_args=tuple(args.verifier_args),
+        edge_args=tuple(args.edge_args),
+        recording=args.recording,
+        startup_timeout_s=args.startup_timeout_s,
+    )
     if args.quick:
         from spade_models.tiny import build_tiny_pair
 

@@ -62,7 +62,7 @@ class RecordedSession:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RecordedSession":
+    def from_dict(cls, data: dict) -> RecordedSession:
         calls = [RecordedCall(**call) for call in data.pop("calls")]
         return cls(**data, calls=calls)
 
@@ -91,16 +91,24 @@ class VerifyRecorder:
         with self._lock:
             return [sid for sid, calls in self._calls.items() if calls[0].arrived_at >= started_at]
 
-    def session(self, session_id: str, started_at: float, item_id: str, messages: list[dict],
-                max_tokens: int, completion_tokens: int, text: str) -> RecordedSession:
+    def session(
+        self, session_id: str, started_at: float, item_id: str, messages: list[dict], max_tokens: int, completion_tokens: int, text: str
+    ) -> RecordedSession:
         with self._lock:
             observed = list(self._calls.get(session_id, []))
         calls, previous_end = [], started_at
         for call in observed:
             answer = call.answer or {}
-            calls.append(RecordedCall(call.body, call.arrived_at - previous_end, call.status,
-                                      answer.get("num_accepted"), answer.get("next_token"),
-                                      call.answered_at - call.arrived_at))
+            calls.append(
+                RecordedCall(
+                    call.body,
+                    call.arrived_at - previous_end,
+                    call.status,
+                    answer.get("num_accepted"),
+                    answer.get("next_token"),
+                    call.answered_at - call.arrived_at,
+                )
+            )
             previous_end = call.answered_at
         return RecordedSession(item_id, messages, max_tokens, completion_tokens, text, calls)
 
@@ -115,8 +123,7 @@ def recording_app(upstream_url: str, recorder: VerifyRecorder) -> FastAPI:
         body = await request.body()
         arrived_at = time.perf_counter()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        upstream = await client.request(request.method, "/" + path, content=body, headers=headers,
-                                        params=request.query_params)
+        upstream = await client.request(request.method, "/" + path, content=body, headers=headers, params=request.query_params)
         if path == "v1/verify" and request.method == "POST":
             answer = upstream.json() if upstream.status_code == 200 else None
             recorder.add(_Observed(json.loads(body), arrived_at, time.perf_counter(), upstream.status_code, answer))

@@ -63,8 +63,13 @@ class LevelRow:
 
 def percentile(values: list[float], q: float) -> float | None:
     """Linear-interpolated percentile ``q`` in [0, 100]; None for no values."""
+    return percentile_of_some(values, q) if values else None
+
+
+def percentile_of_some(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of at least one value."""
     if not values:
-        return None
+        raise ValueError("no values to take a percentile of")
     ordered = sorted(values)
     position = (len(ordered) - 1) * q / 100.0
     low = int(position)
@@ -85,15 +90,20 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
     speeds = [user.tokens_per_s for user in users]
     ttfts = [user.ttft_s for user in users if user.ttft_s is not None]
     return LevelRow(
-        mode=mode, num_users=len(users), tokens=tokens, makespan_s=makespan,
+        mode=mode,
+        num_users=len(users),
+        tokens=tokens,
+        makespan_s=makespan,
         aggregate_tok_s=tokens / makespan if makespan > 0 else 0.0,
-        user_tok_s_p50=percentile(speeds, 50), user_tok_s_p99=percentile(speeds, 1),
-        ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+        user_tok_s_p50=percentile_of_some(speeds, 50),
+        user_tok_s_p99=percentile_of_some(speeds, 1),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
         cpu_s_per_token=_ratio(metrics_delta.get("process_cpu_seconds_total"), tokens),
-        queue_ms_mean=_ratio(_scaled(metrics_delta.get("spade_verifier_queue_seconds_sum"), 1e3),
-                             metrics_delta.get("spade_verifier_queue_seconds_count")),
-        mean_batch=_ratio(metrics_delta.get("spade_verifier_batch_sessions_sum"),
-                          metrics_delta.get("spade_verifier_batch_sessions_count")),
+        queue_ms_mean=_ratio(
+            _scaled(metrics_delta.get("spade_verifier_queue_seconds_sum"), 1e3), metrics_delta.get("spade_verifier_queue_seconds_count")
+        ),
+        mean_batch=_ratio(metrics_delta.get("spade_verifier_batch_sessions_sum"), metrics_delta.get("spade_verifier_batch_sessions_count")),
         num_mismatches=sum(user.num_mismatches for user in users),
     )
 
@@ -115,15 +125,18 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
     """The capacity table, SPADE's aggregate also as a multiple of target-only's at the same N."""
     target_rate = {row.num_users: row.aggregate_tok_s for row in rows if row.mode == TARGET}
-    lines = ["| mode | N | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
-             "| verifier CPU s/tok | queue ms (mean) | sessions/forward | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | N | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
+        "| verifier CPU s/tok | queue ms (mean) | sessions/forward | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in sorted(rows, key=lambda r: (r.mode != TARGET, r.mode, r.num_users)):
         ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
         lines.append(
             f"| {row.mode} | {row.num_users} | {row.aggregate_tok_s:.2f} | {_fmt(ratio)}× | {row.user_tok_s_p50:.2f} "
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
-            f"| {_fmt(row.queue_ms_mean, 0)} | {_fmt(row.mean_batch)} | {row.num_mismatches if row.mode == SPADE else '–'} |")
+            f"| {_fmt(row.queue_ms_mean, 0)} | {_fmt(row.mean_batch)} | {row.num_mismatches if row.mode == SPADE else '–'} |"
+        )
     modes = sorted({row.mode for row in rows})
     capacity = ", ".join(f"{mode}: {max_users_at(rows, mode, user_tokens_per_s) or 0}" for mode in modes)
     lines.append(f"\nLargest N with every user (p99) at ≥ {user_tokens_per_s:g} tok/s — {capacity} (of the N run).")
@@ -139,8 +152,10 @@ def write_plots(rows: list[LevelRow], directory: Path, title: str = "") -> list[
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, field, label in (("capacity_tokens_per_s.png", "aggregate_tok_s", "aggregate tokens/s"),
-                               ("capacity_cpu_per_token.png", "cpu_s_per_token", "verifier CPU s / token")):
+    for name, field, label in (
+        ("capacity_tokens_per_s.png", "aggregate_tok_s", "aggregate tokens/s"),
+        ("capacity_cpu_per_token.png", "cpu_s_per_token", "verifier CPU s / token"),
+    ):
         figure, axes = plt.subplots(figsize=(6.5, 4.2))
         for mode in sorted({row.mode for row in rows}):
             points = sorted((r.num_users, getattr(r, field)) for r in rows if r.mode == mode and getattr(r, field) is not None)

@@ -38,7 +38,6 @@ CAPACITY_EPILOG = """
 """
 
 
-
 @dataclass(frozen=True)
 class QuickPreset:
     """What ``--quick`` changes, unless given explicitly: the tiny pair, one item per category."""
@@ -69,12 +68,16 @@ def _cores(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     doc = plain_text(__doc__)
-    parser = argparse.ArgumentParser(prog="spade-bench", description=doc.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=doc.split("\n", 1)[1] + CAPACITY_EPILOG)
+    parser = argparse.ArgumentParser(
+        prog="spade-bench",
+        description=doc.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=doc.split("\n", 1)[1] + CAPACITY_EPILOG,
+    )
     add_version_argument(parser)
-    parser.add_argument("--data", action="append", default=[], metavar="PATH",
-                        help="Spec-Bench question .jsonl or CNN/DM .jsonl (repeatable)")
+    parser.add_argument(
+        "--data", action="append", default=[], metavar="PATH", help="Spec-Bench question .jsonl or CNN/DM .jsonl (repeatable)"
+    )
     parser.add_argument("--output", type=Path, default=Path("bench_results"), help="results directory (default bench_results)")
     parser.add_argument("--limit", type=int, help="at most N items per category (a CNN/DM file is one category; default all)")
     parser.add_argument("--categories", type=_csv, default=(), help="comma list of categories to keep (default all)")
@@ -82,12 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-article-chars", type=int, help="cut CNN/DM articles to this length (default whole)")
     parser.add_argument("--modes", type=_csv, default=MODES, help=f"comma list of {', '.join(MODES)} (default all three)")
     parser.add_argument("--draft-length", type=_csv, help="comma list of edge draft lengths and/or auto (default 4,8,auto)")
-    parser.add_argument("--draft-backend", type=_csv, default=BenchConfig.draft_backends,
-                        help=f"comma list of the edge's drafter backends among {', '.join(DRAFT_BACKENDS)} (default auto)")
-    parser.add_argument("--overlap", type=_on_off_list, default=BenchConfig.overlaps,
-                        help="comma list of on/off: the edge drafts the next block while one is verified (default on)")
-    parser.add_argument("--rtt-ms", type=lambda text: tuple(float(v) for v in _csv(text)),
-                        help="comma list of round-trip times (default 0,10,50,100)")
+    parser.add_argument(
+        "--draft-backend",
+        type=_csv,
+        default=BenchConfig.draft_backends,
+        help=f"comma list of the edge's drafter backends among {', '.join(DRAFT_BACKENDS)} (default auto)",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=_on_off_list,
+        default=BenchConfig.overlaps,
+        help="comma list of on/off: the edge drafts the next block while one is verified (default on)",
+    )
+    parser.add_argument(
+        "--rtt-ms", type=lambda text: tuple(float(v) for v in _csv(text)), help="comma list of round-trip times (default 0,10,50,100)"
+    )
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="+/- one-way jitter per chunk (default 0)")
     parser.add_argument("--bandwidth-mbps", type=float, default=100.0, help="link cap per direction; 0 = none (default 100)")
     parser.add_argument("--target", help=f"target model: registry name, directory, hub id or .gguf (default {ModelPair.target})")
@@ -95,22 +107,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-gguf-file", help="GGUF file inside a --target directory or hub repo")
     parser.add_argument("--draft-gguf-file", help="GGUF file inside a --draft directory or hub repo")
     parser.add_argument("--dtype", default="float32", help="both services' --dtype: float32, bfloat16 or float16 (default float32)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy, Spec-Bench's protocol (default 0)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 = greedy, Spec-Bench's protocol (default 0)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed sent with every request (default 0)")
     parser.add_argument("--edge-cores", type=_cores, help="comma list of cores for the edge (default: the first core)")
     parser.add_argument("--verifier-cores", type=_cores, help="comma list of cores for the verifier (default: the second core)")
     parser.add_argument("--threads", type=int, default=1, help="threads per service, torch's and llama.cpp's (default 1)")
-    parser.add_argument("--verifier-args", type=shlex.split, default=(),
-                        help='extra flags for spade-verifier, one string: "--max-sessions 64"')
-    parser.add_argument("--edge-args", type=shlex.split, default=(),
-                        help='extra flags for spade-edge, one string: "--verify-timeout-s 300"')
-    parser.add_argument("--startup-timeout-s", "--startup-timeout", dest="startup_timeout", metavar="S", type=float,
-                        help=f"seconds to wait for a service's /health (default {BenchConfig.startup_timeout_s:g}; "
-                             f"{QuickPreset.startup_timeout_s:g} with --quick)")
+    parser.add_argument(
+        "--verifier-args", type=shlex.split, default=(), help='extra flags for spade-verifier, one string: "--max-sessions 64"'
+    )
+    parser.add_argument(
+        "--edge-args", type=shlex.split, default=(), help='extra flags for spade-edge, one string: "--verify-timeout-s 300"'
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        "--startup-timeout",
+        dest="startup_timeout",
+        metavar="S",
+        type=float,
+        help=f"seconds to wait for a service's /health (default {BenchConfig.startup_timeout_s:g}; "
+        f"{QuickPreset.startup_timeout_s:g} with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model pair, 1 item per category, 2 RTTs")
-    parser.add_argument("--report-only", type=Path, metavar="RESULTS",
-                        help="redo tables and plots from a results.json or requests.jsonl into --output; "
-                             "runs nothing (--data gives the ROUGE references)")
+    parser.add_argument(
+        "--report-only",
+        type=Path,
+        metavar="RESULTS",
+        help="redo tables and plots from a results.json or requests.jsonl into --output; runs nothing (--data gives the ROUGE references)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -130,10 +158,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_article_chars=_pick(args.max_article_chars, quick.max_article_chars, None, is_quick),
     )
     default_placement = Placement.default(args.threads)
-    placement = Placement(args.edge_cores or default_placement.edge_cores,
-                          args.verifier_cores or default_placement.verifier_cores, args.threads)
-    network = NetworkSweep(_pick(args.rtt_ms, quick.rtts_ms, NetworkSweep.rtts_ms, is_quick),
-                           args.jitter_ms, args.bandwidth_mbps or None)
+    placement = Placement(
+        args.edge_cores or default_placement.edge_cores, args.verifier_cores or default_placement.verifier_cores, args.threads
+    )
+    network = NetworkSweep(_pick(args.rtt_ms, quick.rtts_ms, NetworkSweep.rtts_ms, is_quick), args.jitter_ms, args.bandwidth_mbps or None)
     return BenchConfig(
         data_paths=tuple(args.data),
         output_dir=args.output,
@@ -168,8 +196,7 @@ def with_tiny_pair(config: BenchConfig) -> BenchConfig:
     from spade_models.tiny import build_tiny_pair
 
     target, draft = build_tiny_pair(config.output_dir / "tiny-models")
-    return replace(config, models=replace(config.models, target=str(target), draft=str(draft),
-                                          target_gguf_file=None, draft_gguf_file=None))
+    return replace(config, models=replace(config.models, target=str(target), draft=str(draft), target_gguf_file=None, draft_gguf_file=None))
 
 
 def environment() -> dict:
@@ -213,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spade-bench: needs the bench extra (missing {', '.join(missing)}): {BENCH_EXTRA_HINT}", file=sys.stderr)
         return 2
     from spade_bench.session import report_only, run_session  # imports matplotlib
+
     try:
         if not args.data:
             raise ValueError("--data PATH is required (Spec-Bench or CNN/DM .jsonl; repeatable)")

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from openai import OpenAI
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ def stream_chat(client: OpenAI, model: str, messages: list[dict], generation: Ge
     started = time.perf_counter()
     stream = client.chat.completions.create(
         model=model,
-        messages=messages,
+        # Plain {"role", "content"} dicts (datasets, recorded sessions): the shape the SDK's TypedDicts describe.
+        messages=cast("list[ChatCompletionMessageParam]", messages),
         max_tokens=generation.max_tokens,
         temperature=generation.temperature,
         seed=generation.seed,

@@ -58,7 +58,7 @@ class Placement:
         return not set(self.edge_cores) & set(self.verifier_cores)
 
     @classmethod
-    def default(cls, threads: int = 1) -> "Placement":
+    def default(cls, threads: int = 1) -> Placement:
         """First available core for the edge, the next for the verifier (the same if only one)."""
         cores = sorted(available_cores())
         return cls((cores[0],), (cores[min(1, len(cores) - 1)],), threads)
@@ -128,7 +128,9 @@ class BenchConfig:
                 raise ValueError(f"draft length must be a positive integer or 'auto', got {value!r}")
         unknown_backends = set(self.draft_backends) - set(DRAFT_BACKENDS)
         if unknown_backends or not self.draft_backends or not self.overlaps:
-            raise ValueError(f"draft backends must be among {DRAFT_BACKENDS} and overlaps non-empty, got {self.draft_backends}, {self.overlaps}")
+            raise ValueError(
+                f"draft backends must be among {DRAFT_BACKENDS} and overlaps non-empty, got {self.draft_backends}, {self.overlaps}"
+            )
         if SPADE_MODE in self.modes and not self.draft_lengths:
             raise ValueError("spade mode needs at least one draft length")
         if self.max_tokens < 1:

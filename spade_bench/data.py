@@ -124,7 +124,8 @@ def conversation(item: BenchItem, answers: list[str]) -> list[dict]:
     if len(answers) >= item.num_turns:
         raise ValueError(f"item {item.item_id} has {item.num_turns} turns; {len(answers)} answered already")
     messages = []
-    for turn, answer in zip(item.turns, answers):
+    # Fewer answers than turns: the turns after the last answer are still to come.
+    for turn, answer in zip(item.turns, answers, strict=False):
         messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": answer}]
     messages.append({"role": "user", "content": item.turns[len(answers)]})
     return messages

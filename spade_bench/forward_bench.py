@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
-from verifier_service.backends.cpu_kernels import apply_cpu_kernels, load_kernel_library
+from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
 from verifier_service.backends.growing_cache import growing_cache
 
 MODES = ("stock", "fast", "batch_invariant")
@@ -53,7 +54,7 @@ class Timings:
     """(clock, context length, mode, drafted) -> one forward's seconds per repetition."""
 
     def add(self, context_length: int, mode: str, drafted: int, cpu_s: float, wall_s: float) -> None:
-        for clock, value in zip(CLOCKS, (cpu_s, wall_s)):
+        for clock, value in zip(CLOCKS, (cpu_s, wall_s), strict=True):
             self.seconds.setdefault((clock, context_length, mode, drafted), []).append(value)
 
     def median_ms(self, clock: str, context_length: int, mode: str, drafted: int) -> float:
@@ -69,7 +70,7 @@ class ForwardBench:
         self.cache_argument = cache_argument_name(model)
         self.generator = torch.Generator().manual_seed(seed)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.patch = None
+        self.patch: CpuKernelPatch | None = None
 
     def use(self, mode: str) -> None:
         if self.patch is not None:
@@ -94,6 +95,8 @@ class ForwardBench:
         self.forward(grown, self.random_tokens(context_length), 1)
         stock = DynamicCache(config=self.model.config)
         for index, layer in enumerate(grown.layers):
+            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                raise ValueError(f"layer {index} is not a filled key/value layer: the bench copies those only")
             stock.update(layer.keys.clone(), layer.values.clone(), index)
         return {mode: stock if mode == "stock" else grown for mode in MODES}
 
@@ -107,8 +110,7 @@ class ForwardBench:
         return elapsed
 
 
-def run_timings(bench: ForwardBench, context_lengths: list[int], modes: list[str], drafted: list[int],
-                repeats: int) -> Timings:
+def run_timings(bench: ForwardBench, context_lengths: list[int], modes: list[str], drafted: list[int], repeats: int) -> Timings:
     timings = Timings()
     for context_length in context_lengths:
         caches = bench.prefill(context_length)
@@ -140,8 +142,7 @@ def check_numerics(bench: ForwardBench, context_length: int, block_lengths: list
         logits[mode] = rows
         if mode != "stock":
             equal = [length for length in block_lengths[1:] if torch.equal(rows[length][0], rows[1][0])]
-            lines.append(f"{mode}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} "
-                         f"(of {block_lengths[1:]})")
+            lines.append(f"{mode}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} (of {block_lengths[1:]})")
     bench.use("stock")
     longest = max(block_lengths)
     for mode in ("fast", "batch_invariant"):
@@ -159,11 +160,16 @@ def breakdown(bench: ForwardBench, cache: DynamicCache, mode: str, drafted: int,
     spent: dict[str, float] = {}
     hooks = []
     for name, module in bench.model.named_modules():
-        kind = name.rsplit(".", 1)[-1] if isinstance(module, torch.nn.Linear) else (
-            "attention" if type(module).__name__.endswith("Attention") else None)
+        kind = (
+            name.rsplit(".", 1)[-1]
+            if isinstance(module, torch.nn.Linear)
+            else ("attention" if type(module).__name__.endswith("Attention") else None)
+        )
         if kind is not None:
-            hooks += [module.register_forward_pre_hook(lambda module, args: setattr(module, "_bench_started", time.thread_time())),
-                      module.register_forward_hook(partial(_charge, spent, kind))]
+            hooks += [
+                module.register_forward_pre_hook(lambda module, args: setattr(module, "_bench_started", time.thread_time())),
+                module.register_forward_hook(partial(_charge, spent, kind)),
+            ]
     runs = []
     try:
         for _ in range(repeats):
@@ -197,28 +203,38 @@ def breakdown_lines(bench: ForwardBench, context_length: int, modes: list[str], 
 
 
 def table(timings: Timings, clock: str, context_lengths: list[int], modes: list[str], drafted: list[int]) -> str:
-    header = f"| {clock} | context | mode | " + " | ".join(f"d={d} ({d + 1} rows)" for d in drafted) + " | " + " | ".join(
-        f"t({d})/t(0)" for d in drafted[1:]) + " |"
+    header = (
+        f"| {clock} | context | mode | "
+        + " | ".join(f"d={d} ({d + 1} rows)" for d in drafted)
+        + " | "
+        + " | ".join(f"t({d})/t(0)" for d in drafted[1:])
+        + " |"
+    )
     lines = [header, "|" + " --- |" * (3 + 2 * len(drafted) - 1)]
     for context_length in context_lengths:
         for mode in modes:
             milliseconds = [timings.median_ms(clock, context_length, mode, d) for d in drafted]
             ratios = [value / milliseconds[0] for value in milliseconds[1:]]
-            lines.append(f"| {clock} | {context_length} | {mode} | " + " | ".join(f"{value:.3g} ms" for value in milliseconds)
-                         + " | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
+            lines.append(
+                f"| {clock} | {context_length} | {mode} | "
+                + " | ".join(f"{value:.3g} ms" for value in milliseconds)
+                + " | "
+                + " | ".join(f"{ratio:.2f}" for ratio in ratios)
+                + " |"
+            )
     return "\n".join(lines)
 
 
 def speedup_table(timings: Timings, context_lengths: list[int], modes: list[str], drafted: list[int]) -> str:
     """Stock's CPU time over each mode's, per block length."""
-    lines = ["| context | mode | " + " | ".join(f"stock/mode d={d}" for d in drafted) + " |",
-             "|" + " --- |" * (2 + len(drafted))]
+    lines = ["| context | mode | " + " | ".join(f"stock/mode d={d}" for d in drafted) + " |", "|" + " --- |" * (2 + len(drafted))]
     for context_length in context_lengths:
         for mode in modes:
             if mode == "stock":
                 continue
-            cells = [timings.median_ms("cpu", context_length, "stock", d) / timings.median_ms("cpu", context_length, mode, d)
-                     for d in drafted]
+            cells = [
+                timings.median_ms("cpu", context_length, "stock", d) / timings.median_ms("cpu", context_length, mode, d) for d in drafted
+            ]
             lines.append(f"| {context_length} | {mode} | " + " | ".join(f"{cell:.2f}x" for cell in cells) + " |")
     return "\n".join(lines)
 
@@ -235,8 +251,12 @@ def plot(timings: Timings, context_lengths: list[int], modes: list[str], drafted
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for context_length in context_lengths:
         for mode in modes:
-            axis.plot(drafted, [timings.median_ms("cpu", context_length, mode, d) for d in drafted], marker="o",
-                      label=f"{mode}, context {context_length}")
+            axis.plot(
+                drafted,
+                [timings.median_ms("cpu", context_length, mode, d) for d in drafted],
+                marker="o",
+                label=f"{mode}, context {context_length}",
+            )
     axis.set_xlabel("drafted tokens d (d + 1 rows fed)")
     axis.set_ylabel("forward CPU ms (median)")
     axis.set_title("Target forward time against block length")
@@ -279,15 +299,17 @@ def main(argv: list[str] | None = None) -> None:
         timings = run_timings(bench, context_lengths, modes, drafted, args.repeats)
         breakdowns = breakdown_lines(bench, max(context_lengths), modes, args.breakdown)
         checks = check_numerics(bench, min(context_lengths), [int(v) for v in args.check_blocks.split(",")]) if args.check_blocks else []
-    report = "\n\n".join([
-        f"{loaded.model_id}, fp32, {torch.get_num_threads()} torch thread(s), affinity {sorted(os.sched_getaffinity(0))}, "
-        f"{args.repeats} repetitions (medians), load average at the end {os.getloadavg()[0]:.2f}",
-        table(timings, "cpu", context_lengths, modes, drafted),
-        table(timings, "wall", context_lengths, modes, drafted),
-        speedup_table(timings, context_lengths, modes, drafted),
-        "CPU ms per forward by layer kind, context " + str(max(context_lengths)) + ":\n" + "\n".join(breakdowns),
-        "\n".join(checks),
-    ])
+    report = "\n\n".join(
+        [
+            f"{loaded.model_id}, fp32, {torch.get_num_threads()} torch thread(s), affinity {sorted(os.sched_getaffinity(0))}, "
+            f"{args.repeats} repetitions (medians), load average at the end {os.getloadavg()[0]:.2f}",
+            table(timings, "cpu", context_lengths, modes, drafted),
+            table(timings, "wall", context_lengths, modes, drafted),
+            speedup_table(timings, context_lengths, modes, drafted),
+            "CPU ms per forward by layer kind, context " + str(max(context_lengths)) + ":\n" + "\n".join(breakdowns),
+            "\n".join(checks),
+        ]
+    )
     print("\n" + report)
     if args.output:
         output = Path(args.output)

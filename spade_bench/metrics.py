@@ -18,9 +18,9 @@ Glossary of summary fields:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from statistics import mean, median
-from typing import Callable, Iterable
 
 from spade_bench.config import DRAFT_MODE, SPADE_MODE, TARGET_MODE
 from spade_bench.records import RequestRecord
@@ -115,7 +115,8 @@ class GroupSummary:
 def _total(records: list[RequestRecord], pick: Callable[[RequestRecord], float | None]) -> float | None:
     """Sum of a field over the records, None if any record lacks it."""
     values = [pick(record) for record in records]
-    return None if any(value is None for value in values) else sum(values)
+    present = [value for value in values if value is not None]
+    return None if len(present) < len(values) else sum(present)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -156,8 +157,7 @@ def summarize_group(records: list[RequestRecord], category: str = ALL) -> GroupS
         target_passes=None if passes is None else int(passes),
         passes_per_token=_ratio(passes, tokens),
         passes_per_sequence=_ratio(passes, len(records)),
-        target_tokens_per_token=_ratio(_total(records, lambda record: record.target_tokens), tokens)
-        if is_target_side else None,
+        target_tokens_per_token=_ratio(_total(records, lambda record: record.target_tokens), tokens) if is_target_side else None,
         verify_calls=None if verify_calls is None else int(verify_calls),
         drafted_tokens=None if drafted is None else int(drafted),
         accepted_tokens=None if accepted is None else int(accepted),
@@ -167,9 +167,7 @@ def summarize_group(records: list[RequestRecord], category: str = ALL) -> GroupS
         edge_cpu_per_token=_ratio(_total(records, lambda record: record.edge_cpu_s), tokens),
         bytes_up_per_request=sum(record.bytes_up for record in records) / len(records),
         bytes_down_per_request=sum(record.bytes_down for record in records) / len(records),
-        identical_share=_mean_of(
-            None if record.identical_to_target is None else float(record.identical_to_target) for record in records
-        ),
+        identical_share=_mean_of(None if record.identical_to_target is None else float(record.identical_to_target) for record in records),
         rouge1=_mean_of(record.rouge1 for record in records),
         rouge2=_mean_of(record.rouge2 for record in records),
         rougeL=_mean_of(record.rougeL for record in records),
@@ -220,6 +218,7 @@ def summarize(records: list[RequestRecord], by_rtt: bool = True, by_category: bo
     Without ``by_rtt`` a label's records at every RTT are pooled: use it for quantities the
     network does not change (passes, acceptance, CPU, quality), never for time.
     """
+
     def key(record: RequestRecord) -> tuple:
         return (record.label, record.rtt_ms if by_rtt else None, record.category if by_category else ALL)
 

@@ -73,7 +73,7 @@ class LinkCounters:
     bytes_down: int = 0
     connections: int = 0
 
-    def __sub__(self, other: "LinkCounters") -> "LinkCounters":
+    def __sub__(self, other: LinkCounters) -> LinkCounters:
         return LinkCounters(
             self.bytes_up - other.bytes_up,
             self.bytes_down - other.bytes_down,
@@ -110,8 +110,9 @@ class _Pipe:
 class DelayProxy:
     """Accepts on ``host:port`` and relays every connection to ``upstream`` through the link."""
 
-    def __init__(self, upstream_host: str, upstream_port: int, link: LinkConfig = LinkConfig(),
-                 host: str = "127.0.0.1", port: int = 0, seed: int = 0) -> None:
+    def __init__(
+        self, upstream_host: str, upstream_port: int, link: LinkConfig = LinkConfig(), host: str = "127.0.0.1", port: int = 0, seed: int = 0
+    ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.listen = (host, port)
         self.link = link
@@ -119,7 +120,7 @@ class DelayProxy:
         self._up = _Direction()
         self._down = _Direction()
         self._num_connections = 0
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task] = set()
 
     @property
@@ -144,6 +145,8 @@ class DelayProxy:
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        if task is None:  # asyncio runs each connection's callback in a task of its own
+            raise RuntimeError("a proxy connection outside a task")
         self._tasks.add(task)
         try:
             await self._relay(client_reader, client_writer)
@@ -233,7 +236,7 @@ class ProxyThread:
     def counters(self) -> LinkCounters:
         return self.proxy.counters()
 
-    def start(self) -> "ProxyThread":
+    def start(self) -> ProxyThread:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.proxy.start(), self._loop).result(timeout=30)
         return self
@@ -247,7 +250,7 @@ class ProxyThread:
         self._thread.join(timeout=30)
         self._loop.close()
 
-    def __enter__(self) -> "ProxyThread":
+    def __enter__(self) -> ProxyThread:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:

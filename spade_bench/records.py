@@ -70,7 +70,7 @@ class SpadeCounts:
     verifier_forward_ms: float = 0.0
 
     @classmethod
-    def from_payload(cls, payload: dict | None) -> "SpadeCounts | None":
+    def from_payload(cls, payload: dict | None) -> SpadeCounts | None:
         if payload is None:
             return None
         known = {field.name for field in fields(cls)}
@@ -132,6 +132,6 @@ class RequestRecord:
         return asdict(self) | {"tokens_per_s": self.tokens_per_s}
 
     @classmethod
-    def from_dict(cls, payload: dict) -> "RequestRecord":
+    def from_dict(cls, payload: dict) -> RequestRecord:
         known = {field.name for field in fields(cls)}
         return cls(**{key: value for key, value in payload.items() if key in known})

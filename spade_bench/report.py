@@ -33,7 +33,7 @@ class Summaries:
     """label pooled over RTTs, per data set (for the paper's calls-per-sequence comparison)."""
 
     @classmethod
-    def of(cls, records: list[RequestRecord]) -> "Summaries":
+    def of(cls, records: list[RequestRecord]) -> Summaries:
         datasets = sorted({record.dataset for record in records})
         return cls(
             by_rtt=summarize(records),
@@ -68,37 +68,82 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def main_table(summaries: Summaries) -> str:
     """Per mode and RTT: speed, target cost, edge cost, link bytes."""
-    header = ["mode", "RTT ms", "req", "tokens", "tok/s", "× target", "CPU-bound tok/s", "× target (CPU-bound)",
-              "TTFT s", "target passes/tok",
-              "verifier CPU s/tok", "edge CPU s/tok", "up B/req", "down B/req", "load"]
+    header = [
+        "mode",
+        "RTT ms",
+        "req",
+        "tokens",
+        "tok/s",
+        "× target",
+        "CPU-bound tok/s",
+        "× target (CPU-bound)",
+        "TTFT s",
+        "target passes/tok",
+        "verifier CPU s/tok",
+        "edge CPU s/tok",
+        "up B/req",
+        "down B/req",
+        "load",
+    ]
     rows = []
     for summary in summaries.by_rtt:
-        rows.append([
-            summary.label, _rtt(summary.rtt_ms), str(summary.num_requests), str(summary.completion_tokens),
-            _fmt(summary.tokens_per_s), _fmt(speedup(summaries.by_rtt, summary), suffix="×"),
-            _fmt(summary.cpu_bound_tokens_per_s), _fmt(cpu_bound_speedup(summaries.by_rtt, summary), suffix="×"),
-            _fmt(summary.mean_ttft_s), _fmt(summary.passes_per_token, 3),
-            _fmt(summary.verifier_cpu_per_token, 3), _fmt(summary.edge_cpu_per_token, 3),
-            f"{summary.bytes_up_per_request:,.0f}", f"{summary.bytes_down_per_request:,.0f}",
-            _fmt(summary.mean_load_1m, 1),
-        ])
+        rows.append(
+            [
+                summary.label,
+                _rtt(summary.rtt_ms),
+                str(summary.num_requests),
+                str(summary.completion_tokens),
+                _fmt(summary.tokens_per_s),
+                _fmt(speedup(summaries.by_rtt, summary), suffix="×"),
+                _fmt(summary.cpu_bound_tokens_per_s),
+                _fmt(cpu_bound_speedup(summaries.by_rtt, summary), suffix="×"),
+                _fmt(summary.mean_ttft_s),
+                _fmt(summary.passes_per_token, 3),
+                _fmt(summary.verifier_cpu_per_token, 3),
+                _fmt(summary.edge_cpu_per_token, 3),
+                f"{summary.bytes_up_per_request:,.0f}",
+                f"{summary.bytes_down_per_request:,.0f}",
+                _fmt(summary.mean_load_1m, 1),
+            ]
+        )
     return _table(header, rows)
 
 
 def cost_table(summaries: Summaries) -> str:
     """Per mode, pooled over RTTs: calls, acceptance, quality."""
-    header = ["mode", "req", "passes/seq", "passes/tok", "fewer passes", "target tok/tok", "accepted/drafted",
-              "mean accepted tokens", "identical to target", "ROUGE-1", "ROUGE-2", "ROUGE-L"]
+    header = [
+        "mode",
+        "req",
+        "passes/seq",
+        "passes/tok",
+        "fewer passes",
+        "target tok/tok",
+        "accepted/drafted",
+        "mean accepted tokens",
+        "identical to target",
+        "ROUGE-1",
+        "ROUGE-2",
+        "ROUGE-L",
+    ]
     target = find(summaries.pooled, TARGET_MODE)
     rows = []
     for summary in summaries.pooled:
-        rows.append([
-            summary.label, str(summary.num_requests), _fmt(summary.passes_per_sequence, 1),
-            _fmt(summary.passes_per_token, 3), _fmt(_reduction(summary, target), 1, 100, " %"),
-            _fmt(summary.target_tokens_per_token), _fmt(summary.acceptance_rate, 1, 100, " %"),
-            _fmt(summary.mean_accepted_tokens), _fmt(summary.identical_share, 0, 100, " %"),
-            _fmt(summary.rouge1, 4), _fmt(summary.rouge2, 4), _fmt(summary.rougeL, 4),
-        ])
+        rows.append(
+            [
+                summary.label,
+                str(summary.num_requests),
+                _fmt(summary.passes_per_sequence, 1),
+                _fmt(summary.passes_per_token, 3),
+                _fmt(_reduction(summary, target), 1, 100, " %"),
+                _fmt(summary.target_tokens_per_token),
+                _fmt(summary.acceptance_rate, 1, 100, " %"),
+                _fmt(summary.mean_accepted_tokens),
+                _fmt(summary.identical_share, 0, 100, " %"),
+                _fmt(summary.rouge1, 4),
+                _fmt(summary.rouge2, 4),
+                _fmt(summary.rougeL, 4),
+            ]
+        )
     return _table(header, rows)
 
 
@@ -106,9 +151,16 @@ def category_table(summaries: Summaries) -> str:
     """Mean accepted tokens and passes per token per category (SPADE modes, RTTs pooled)."""
     header = ["mode", "category", "req", "mean accepted tokens", "accepted/drafted", "passes/tok"]
     rows = [
-        [s.label, s.category, str(s.num_requests), _fmt(s.mean_accepted_tokens), _fmt(s.acceptance_rate, 1, 100, " %"),
-         _fmt(s.passes_per_token, 3)]
-        for s in summaries.pooled_category if s.mode == SPADE_MODE
+        [
+            s.label,
+            s.category,
+            str(s.num_requests),
+            _fmt(s.mean_accepted_tokens),
+            _fmt(s.acceptance_rate, 1, 100, " %"),
+            _fmt(s.passes_per_token, 3),
+        ]
+        for s in summaries.pooled_category
+        if s.mode == SPADE_MODE
     ]
     return _table(header, rows)
 
@@ -118,8 +170,18 @@ def time_split_table(summaries: Summaries) -> str:
     target's forward; the rest is link and queueing), then everything else (prefill on the edge,
     streaming, the client). Drafting that waited and verifying alternate, so the parts add up to
     the wall; drafting done during verify calls (overlap) is listed apart, as it costs no wait."""
-    header = ["mode", "RTT ms", "wall s/tok", "draft s/tok", "verify round trip s/tok", "target forward s/tok",
-              "link + queue s/tok", "other s/tok", "drafted during verify s/tok", "overlap hits"]
+    header = [
+        "mode",
+        "RTT ms",
+        "wall s/tok",
+        "draft s/tok",
+        "verify round trip s/tok",
+        "target forward s/tok",
+        "link + queue s/tok",
+        "other s/tok",
+        "drafted during verify s/tok",
+        "overlap hits",
+    ]
     rows = []
     for s in summaries.by_rtt:
         if s.mode != SPADE_MODE or s.draft_s_per_token is None or s.verify_s_per_token is None:
@@ -127,9 +189,20 @@ def time_split_table(summaries: Summaries) -> str:
         wall = s.wall_s / s.completion_tokens if s.completion_tokens else None
         link = None if s.forward_s_per_token is None else s.verify_s_per_token - s.forward_s_per_token
         other = None if wall is None else wall - s.draft_s_per_token - s.verify_s_per_token
-        rows.append([s.label, _rtt(s.rtt_ms), _fmt(wall, 3), _fmt(s.draft_s_per_token, 3),
-                     _fmt(s.verify_s_per_token, 3), _fmt(s.forward_s_per_token, 3), _fmt(link, 3), _fmt(other, 3),
-                     _fmt(s.draft_ahead_s_per_token, 3), _fmt(s.overlap_hit_rate, 0, 100, " %")])
+        rows.append(
+            [
+                s.label,
+                _rtt(s.rtt_ms),
+                _fmt(wall, 3),
+                _fmt(s.draft_s_per_token, 3),
+                _fmt(s.verify_s_per_token, 3),
+                _fmt(s.forward_s_per_token, 3),
+                _fmt(link, 3),
+                _fmt(other, 3),
+                _fmt(s.draft_ahead_s_per_token, 3),
+                _fmt(s.overlap_hit_rate, 0, 100, " %"),
+            ]
+        )
     return _table(header, rows)
 
 
@@ -141,14 +214,22 @@ def paper_table(summaries: Summaries) -> str:
         paper = PAPER_CALLS.get(dataset, (None, None))
         target = find(group, TARGET_MODE)
         best = _best_spade(group)
-        rows.append([dataset, _fmt(paper[0]), _fmt(paper[1]), _fmt(target.passes_per_sequence if target else None),
-                     _fmt(best.passes_per_sequence if best else None), best.label if best else "–"])
+        rows.append(
+            [
+                dataset,
+                _fmt(paper[0]),
+                _fmt(paper[1]),
+                _fmt(target.passes_per_sequence if target else None),
+                _fmt(best.passes_per_sequence if best else None),
+                best.label if best else "–",
+            ]
+        )
     return _table(header, rows)
 
 
 def _best_spade(group: list[GroupSummary]) -> GroupSummary | None:
-    spade = [s for s in group if s.mode == SPADE_MODE and s.passes_per_token is not None]
-    return min(spade, key=lambda s: s.passes_per_token) if spade else None
+    scored = [(s.passes_per_token, s) for s in group if s.mode == SPADE_MODE and s.passes_per_token is not None]
+    return min(scored, key=lambda pair: pair[0])[1] if scored else None
 
 
 def _reduction(summary: GroupSummary, target: GroupSummary | None) -> float | None:
@@ -171,8 +252,9 @@ def _mark(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "NOT met")
 
 
-def _spade_goals(summaries: Summaries, spade: GroupSummary, target: GroupSummary | None,
-                 draft: GroupSummary | None, is_greedy: bool) -> list[str]:
+def _spade_goals(
+    summaries: Summaries, spade: GroupSummary, target: GroupSummary | None, draft: GroupSummary | None, is_greedy: bool
+) -> list[str]:
     reduction = _reduction(spade, target)
     cpu_ratio = _ratio(spade.verifier_cpu_per_token, target.verifier_cpu_per_token if target else None)
     lines = [
@@ -183,8 +265,10 @@ def _spade_goals(summaries: Summaries, spade: GroupSummary, target: GroupSummary
     ]
     if is_greedy:
         share = spade.identical_share
-        lines.append(f"- {spade.label}: greedy outputs identical to target-only {_fmt(share, 1, 100, ' %')} "
-                     f"(goal 100 %): {_mark(None if share is None else share == 1.0)}")
+        lines.append(
+            f"- {spade.label}: greedy outputs identical to target-only {_fmt(share, 1, 100, ' %')} "
+            f"(goal 100 %): {_mark(None if share is None else share == 1.0)}"
+        )
     if spade.rouge1 is not None:
         lines.append(_rouge_goal(spade, target, draft))
     lines.append(_speed_goal(summaries, spade))
@@ -195,22 +279,23 @@ def _rouge_goal(spade: GroupSummary, target: GroupSummary | None, draft: GroupSu
     def triple(summary: GroupSummary | None) -> str:
         return "–" if summary is None else "/".join(_fmt(v, 4) for v in (summary.rouge1, summary.rouge2, summary.rougeL))
 
-    equal = target is not None and target.rouge1 is not None and abs(spade.rouge1 - target.rouge1) < 1e-9
-    above = draft is not None and draft.rouge1 is not None and spade.rouge1 > draft.rouge1
-    return (f"- {spade.label}: ROUGE-1/2/L {triple(spade)} vs target-only {triple(target)} and draft-only "
-            f"{triple(draft)} (goal: equal to target, above draft): {_mark(equal and above)}")
+    rouge1 = spade.rouge1
+    equal = rouge1 is not None and target is not None and target.rouge1 is not None and abs(rouge1 - target.rouge1) < 1e-9
+    above = rouge1 is not None and draft is not None and draft.rouge1 is not None and rouge1 > draft.rouge1
+    return (
+        f"- {spade.label}: ROUGE-1/2/L {triple(spade)} vs target-only {triple(target)} and draft-only "
+        f"{triple(draft)} (goal: equal to target, above draft): {_mark(equal and above)}"
+    )
 
 
 def _speed_goal(summaries: Summaries, spade: GroupSummary) -> str:
     rows = [s for s in summaries.by_rtt if s.label == spade.label]
     curve = ", ".join(f"{_rtt(s.rtt_ms)} ms: {_fmt(speedup(summaries.by_rtt, s), suffix='×')}" for s in rows)
-    cpu_curve = ", ".join(f"{_rtt(s.rtt_ms)} ms: {_fmt(cpu_bound_speedup(summaries.by_rtt, s), suffix='×')}"
-                          for s in rows)
-    low = [speedup(summaries.by_rtt, s) for s in rows if s.rtt_ms is not None and s.rtt_ms <= 20]
-    low = [value for value in low if value is not None]
+    cpu_curve = ", ".join(f"{_rtt(s.rtt_ms)} ms: {_fmt(cpu_bound_speedup(summaries.by_rtt, s), suffix='×')}" for s in rows)
+    low_rtt = [speedup(summaries.by_rtt, s) for s in rows if s.rtt_ms is not None and s.rtt_ms <= 20]
+    low = [value for value in low_rtt if value is not None]
     verdict = _mark(None if not low else min(low) >= 1.3)
-    return (f"- {spade.label}: tokens/s vs target-only by RTT — {curve} (CPU-bound: {cpu_curve}) "
-            f"(goal ≥ 1.3× at RTT ≤ 20 ms): {verdict}")
+    return f"- {spade.label}: tokens/s vs target-only by RTT — {curve} (CPU-bound: {cpu_curve}) (goal ≥ 1.3× at RTT ≤ 20 ms): {verdict}"
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import httpx
 import openai
@@ -74,19 +74,30 @@ def _metric_delta(before: Snapshot, after: Snapshot, name: str) -> int | None:
     return int(round(after.verifier[name] - before.verifier.get(name, 0.0)))
 
 
-def build_record(item: BenchItem, turn: int, phase: Phase, result: StreamResult,
-                 before: Snapshot, after: Snapshot) -> RequestRecord:
+def build_record(item: BenchItem, turn: int, phase: Phase, result: StreamResult, before: Snapshot, after: Snapshot) -> RequestRecord:
     """One request's record from its stream and the snapshots around it."""
     counts = SpadeCounts.from_payload(result.spade) if phase.mode != DRAFT_MODE else None
     link = after.link - before.link
     record = RequestRecord(
-        dataset=item.dataset, item_id=item.item_id, category=item.category, turn=turn,
-        mode=phase.mode, label=phase.label, draft_length=phase.draft_length, rtt_ms=phase.rtt_ms,
-        text=result.text, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens, wall_s=result.wall_s, ttft_s=result.ttft_s,
+        dataset=item.dataset,
+        item_id=item.item_id,
+        category=item.category,
+        turn=turn,
+        mode=phase.mode,
+        label=phase.label,
+        draft_length=phase.draft_length,
+        rtt_ms=phase.rtt_ms,
+        text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        wall_s=result.wall_s,
+        ttft_s=result.ttft_s,
         verifier_cpu_s=_delta(after.verifier_cpu_s, before.verifier_cpu_s),
         edge_cpu_s=_delta(after.edge_cpu_s, before.edge_cpu_s),
-        bytes_up=link.bytes_up, bytes_down=link.bytes_down, load_1m=os.getloadavg()[0],
+        bytes_up=link.bytes_up,
+        bytes_down=link.bytes_down,
+        load_1m=os.getloadavg()[0],
     )
     if counts is not None:
         _add_target_counts(record, counts, before, after)
@@ -116,8 +127,13 @@ def _add_target_counts(record: RequestRecord, counts: SpadeCounts, before: Snaps
 class BenchRunner:
     """Runs every phase of ``config`` over ``items``; hands each record to ``on_record``."""
 
-    def __init__(self, config: BenchConfig, items: list[BenchItem],
-                 on_record: Callable[[RequestRecord], None], on_progress: Callable[[str], None] = lambda _: None) -> None:
+    def __init__(
+        self,
+        config: BenchConfig,
+        items: list[BenchItem],
+        on_record: Callable[[RequestRecord], None],
+        on_progress: Callable[[str], None] = lambda _: None,
+    ) -> None:
         if not items:
             raise ValueError("no items selected: check --data, --categories and --limit")
         self.config = config
@@ -135,8 +151,12 @@ class BenchRunner:
         rtts = config.network.rtts_ms
         phases = [Phase(TARGET_MODE, None, rtt) for rtt in rtts] if TARGET_MODE in config.modes else []
         if SPADE_MODE in config.modes:
-            phases += [Phase(SPADE_MODE, length, rtt, variant)
-                       for length in config.draft_lengths for variant in config.edge_variants for rtt in rtts]
+            phases += [
+                Phase(SPADE_MODE, length, rtt, variant)
+                for length in config.draft_lengths
+                for variant in config.edge_variants
+                for rtt in rtts
+            ]
         return phases + ([Phase(DRAFT_MODE)] if DRAFT_MODE in config.modes else [])
 
     @property
@@ -171,6 +191,8 @@ class BenchRunner:
         return LinkConfig(rtt_ms=rtt_ms, jitter_ms=network.jitter_ms, bandwidth_mbps=network.bandwidth_mbps)
 
     def _run_linked_phase(self, phase: Phase, endpoints: Endpoints) -> None:
+        if endpoints.proxy is None or phase.rtt_ms is None:
+            raise ValueError(f"phase {phase.label} crosses the link: it needs the proxy and an RTT")
         endpoints.proxy.set_link(self._link(phase.rtt_ms))
         self._run_phase(phase, endpoints)
 
@@ -199,8 +221,9 @@ class BenchRunner:
                 # One failed request must not sink an hour of measurements: it is listed in the
                 # results, and the item's later turns (which need this answer) are skipped.
                 logger.error("%s item %s turn %d failed: %s", phase.label, item.item_id, turn, error)
-                self.failures.append({"label": phase.label, "rtt_ms": phase.rtt_ms, "item_id": item.item_id,
-                                      "turn": turn, "error": str(error)[:500]})
+                self.failures.append(
+                    {"label": phase.label, "rtt_ms": phase.rtt_ms, "item_id": item.item_id, "turn": turn, "error": str(error)[:500]}
+                )
                 return
             after = take_snapshot(endpoints)
             record = build_record(item, turn, phase, result, before, after)
@@ -221,8 +244,13 @@ class BenchRunner:
 
     def _edge_spec(self, phase: Phase, verifier_url: str) -> ServiceSpec:
         models, placement = self.config.models, self.config.placement
-        command = edge_command(models.draft, models.draft_gguf_file, models.dtype, placement.threads,
-                               verifier_url, phase.draft_length) + phase.edge.edge_args + self.config.edge_args
+        if phase.draft_length is None:
+            raise ValueError(f"phase {phase.label} runs an edge: it needs a draft length")
+        command = (
+            edge_command(models.draft, models.draft_gguf_file, models.dtype, placement.threads, verifier_url, phase.draft_length)
+            + phase.edge.edge_args
+            + self.config.edge_args
+        )
         return ServiceSpec(f"edge-{phase.label}", command, placement.edge_cores, placement.threads, self._log_dir)
 
     def _draft_spec(self) -> ServiceSpec:

@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -73,11 +74,22 @@ def verifier_command(model: str, gguf_file: str | None, dtype: str, threads: int
     return command + (("--gguf-file", gguf_file) if gguf_file else ())
 
 
-def edge_command(draft: str, gguf_file: str | None, dtype: str, threads: int,
-                 verifier_url: str, draft_length: str) -> tuple[str, ...]:
+def edge_command(draft: str, gguf_file: str | None, dtype: str, threads: int, verifier_url: str, draft_length: str) -> tuple[str, ...]:
     command = console_command("spade-edge", "edge_agent.cli")
-    command += ("--draft-model", draft, "--verifier-url", verifier_url, "--device", "cpu",
-                "--dtype", dtype, "--threads", str(threads), "--draft-length", draft_length)
+    command += (
+        "--draft-model",
+        draft,
+        "--verifier-url",
+        verifier_url,
+        "--device",
+        "cpu",
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+        "--draft-length",
+        draft_length,
+    )
     return command + (("--gguf-file", gguf_file) if gguf_file else ())
 
 
@@ -96,37 +108,42 @@ class Service:
     def __init__(self, spec: ServiceSpec) -> None:
         self.spec = spec
         self._process: subprocess.Popen | None = None
-        self._log = None
+        self._log: IO[str] | None = None
 
     @property
     def pid(self) -> int:
+        return self._started_process().pid
+
+    def _started_process(self) -> subprocess.Popen:
         if self._process is None:
             raise ValueError(f"{self.spec.name} not started")
-        return self._process.pid
+        return self._process
 
     @property
     def url(self) -> str:
         return self.spec.url
 
-    def start(self) -> "Service":
+    def start(self) -> Service:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self._log = self.spec.log_path.open("w")
         cores = ",".join(str(core) for core in self.spec.cores)
         taskset = shutil.which("taskset")
         argv = [taskset, "-c", cores, *self.spec.argv] if taskset else self.spec.argv
         logger.info("starting %s: %s", self.spec.name, " ".join(argv))
-        self._process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                         env=pinned_env(self.spec.threads), start_new_session=True)
+        self._process = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=pinned_env(self.spec.threads), start_new_session=True
+        )
         if not taskset:
             os.sched_setaffinity(self._process.pid, set(self.spec.cores))
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Poll GET /health until it answers 200 with status ok; fail early if the process dies."""
+        process = self._started_process()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with {self._process.returncode}:\n{self.log_tail()}")
+            if process.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {process.returncode}:\n{self.log_tail()}")
             if self._is_healthy():
                 return
             time.sleep(0.5)
@@ -175,7 +192,7 @@ class Service:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc_info) -> None:

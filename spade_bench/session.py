@@ -36,9 +36,11 @@ def run_session(config: BenchConfig, items: list[BenchItem], environment: dict, 
     records: list[RequestRecord] = []
     started = time.time()
     load_at_start = os.getloadavg()
-    with (config.output_dir / RECORDS_FILE).open("w") as stream, \
-            tqdm(total=0, unit="req", dynamic_ncols=True,
-                 disable=None if show_progress else True) as bar:  # None: no bar through a pipe
+    with (
+        (config.output_dir / RECORDS_FILE).open("w") as stream,
+        tqdm(total=0, unit="req", dynamic_ncols=True, disable=None if show_progress else True) as bar,
+    ):  # None: no bar through a pipe
+
         def on_record(record: RequestRecord) -> None:
             records.append(record)
             stream.write(json.dumps(record.to_dict(), ensure_ascii=False) + "\n")
@@ -46,8 +48,15 @@ def run_session(config: BenchConfig, items: list[BenchItem], environment: dict, 
             bar.update(1)
             bar.set_postfix_str(f"{record.label} {record.tokens_per_s:.1f} tok/s", refresh=False)
             if bar.disable and show_progress:  # through a pipe: a line per request instead of the bar
-                logger.info("%d/%d %s rtt=%g %s: %.2f tok/s", len(records), runner.num_requests, record.label,
-                            record.rtt_ms, record.category, record.tokens_per_s)
+                logger.info(
+                    "%d/%d %s rtt=%g %s: %.2f tok/s",
+                    len(records),
+                    runner.num_requests,
+                    record.label,
+                    record.rtt_ms,
+                    record.category,
+                    record.tokens_per_s,
+                )
 
         runner = BenchRunner(config, items, on_record, on_progress=bar.set_description)
         bar.total = runner.num_requests
@@ -85,8 +94,7 @@ def items_references(items: list[BenchItem]) -> dict[tuple[str, str], str]:
     return {(item.dataset, item.item_id): item.reference for item in items if item.reference is not None}
 
 
-def finish(records: list[RequestRecord], references: dict[tuple[str, str], str], output_dir: Path,
-           run_info: dict) -> str:
+def finish(records: list[RequestRecord], references: dict[tuple[str, str], str], output_dir: Path, run_info: dict) -> str:
     """Score quality, summarise, and write results.json, summary.md and the plots."""
     is_greedy = run_info.get("config", {}).get("temperature", 0.0) == 0
     if is_greedy:
@@ -109,12 +117,12 @@ def conditions(run_info: dict) -> dict:
         "models": f"draft {models.get('draft')} → target {models.get('target')} ({models.get('dtype')})",
         "generation": f"max_tokens {config.get('max_tokens')}, temperature {config.get('temperature')}",
         "link": f"RTT {network.get('rtts_ms')} ms, jitter ±{network.get('jitter_ms')} ms, "
-                f"bandwidth {network.get('bandwidth_mbps') or 'unlimited'} Mbit/s per direction",
+        f"bandwidth {network.get('bandwidth_mbps') or 'unlimited'} Mbit/s per direction",
         "placement": _placement_line(run_info.get("placement", {})),
         "load average (1/5/15 min)": _load_line(run_info.get("load_average", {})),
         "failed requests": len(run_info.get("failures", [])),
         "cpu": f"{run_info.get('environment', {}).get('cpu')}, "
-               f"{len(run_info.get('environment', {}).get('available_cores', []))} cores available",
+        f"{len(run_info.get('environment', {}).get('available_cores', []))} cores available",
     }
 
 
@@ -122,9 +130,11 @@ def _placement_line(placement: dict) -> str:
     if not placement:
         return "–"
     observed = ", ".join(f"{name} {cores}" for name, cores in placement.get("observed_affinity", {}).items())
-    return (f"edge cores {placement['edge_cores']}, verifier cores {placement['verifier_cores']}, "
-            f"{placement['threads_per_service']} torch thread(s) each; observed: {observed}; "
-            f"bench client and proxy unpinned")
+    return (
+        f"edge cores {placement['edge_cores']}, verifier cores {placement['verifier_cores']}, "
+        f"{placement['threads_per_service']} torch thread(s) each; observed: {observed}; "
+        f"bench client and proxy unpinned"
+    )
 
 
 def _load_line(load: dict) -> str:

@@ -51,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_cache_dir(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", default=None,
-                        help=f"model cache (default: $SPADE_CACHE_DIR or {default_cache_dir()})")
+    parser.add_argument("--cache-dir", default=None, help=f"model cache (default: $SPADE_CACHE_DIR or {default_cache_dir()})")
 
 
 def run_pull(args: argparse.Namespace) -> int:
@@ -95,8 +94,9 @@ COMMANDS = {"pull": run_pull, "list": run_list, "convert": run_convert, "tiny": 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return COMMANDS[args.command](args)
     except (PullError, ValueError) as error:

@@ -18,7 +18,7 @@ class TokenCache:
     token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, model: PreTrainedModel) -> "TokenCache":
+    def empty(cls, model: PreTrainedModel) -> TokenCache:
         return cls(DynamicCache(config=model.config))
 
     def crop_to(self, length: int) -> None:
@@ -32,7 +32,7 @@ class TokenCache:
         """Crop to the longest prefix shared with ``context``, keeping at least its last token
         uncached (its logits are needed); return the tokens still to feed."""
         self.crop_to(min(common_prefix_length(self.token_ids, context), len(context) - 1))
-        return context[len(self.token_ids):]
+        return context[len(self.token_ids) :]
 
 
 def common_prefix_length(first: list[int], second: list[int]) -> int:

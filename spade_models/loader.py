@@ -19,9 +19,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -31,8 +31,14 @@ from spade_models.registry import get_registered, is_registered
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 CONVERTED_MARKER = "spade_converted.json"
 """Written last into a converted directory: its presence means the directory is complete."""
@@ -102,7 +108,8 @@ def load_model(source: ModelSource, device: str = "cpu", dtype: str = "float32")
     """Load model + tokenizer in eval mode on ``device`` with ``dtype``."""
     started = time.perf_counter()
     model, tokenizer, loaded_from = _load_weights(source, dtype_name(dtype))
-    model = model.to(device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose stub loses the bound self.
+    model = model.to(device).eval()  # type: ignore[arg-type]
     loaded = LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -172,6 +179,8 @@ class GgufSource:
         """The file on disk; a registry model is pulled here (only when no converted copy exists)."""
         if self.local_path is not None:
             return self.local_path
+        if self.registry_name is None:
+            raise ValueError(f"GGUF source {self.key} has neither a local path nor a registry name")
         return pull(self.registry_name, self.cache_dir)
 
 
@@ -301,8 +310,10 @@ def memory_report(device: str) -> str:
     """Resident memory now and at peak, plus CUDA memory when on a GPU."""
     parts = [f"RSS {_rss_bytes() / 2**30:.2f} GiB (peak {_peak_rss_bytes() / 2**30:.2f} GiB)"]
     if device.startswith("cuda") and torch.cuda.is_available():
-        parts.append(f"CUDA allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB "
-                     f"(peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB)")
+        parts.append(
+            f"CUDA allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB "
+            f"(peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB)"
+        )
     return ", ".join(parts)
 
 
@@ -325,8 +336,13 @@ def _peak_rss_bytes() -> int:
 def _log_loaded(loaded: LoadedModel) -> None:
     logger.info(
         "loaded %s (%.1f M parameters, %s on %s) from %s in %.1f s; %s",
-        loaded.model_id, loaded.num_parameters / 1e6, loaded.dtype, loaded.device, loaded.loaded_from,
-        loaded.load_seconds, memory_report(loaded.device),
+        loaded.model_id,
+        loaded.num_parameters / 1e6,
+        loaded.dtype,
+        loaded.device,
+        loaded.loaded_from,
+        loaded.load_seconds,
+        memory_report(loaded.device),
     )
 
 

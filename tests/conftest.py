@@ -8,14 +8,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+from dataclasses import dataclass
+from pathlib import Path
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from spade_models.loader import LoadedModel, ModelSource, load_model  # noqa: E402
-from spade_models.tiny import TinyPairSpec, build_tiny_pair  # noqa: E402
+from spade_models.loader import LoadedModel, ModelSource, load_model
+from spade_models.tiny import TinyPairSpec, build_tiny_pair
 
 torch.set_num_threads(1)
 

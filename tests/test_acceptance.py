@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spade_core.acceptance import Acceptance, accept_block, residual_distribution
 from spade_core.params import SamplingConfig
 from spade_core.sampling import one_hot_argmax, position_uniforms, processed_probs, sample_from, truncate_to_top_n
-from spade_core.acceptance import Acceptance, accept_block, residual_distribution
 
 VOCAB = 8
 NUM_TRIALS = 200_000
@@ -102,9 +102,7 @@ def random_setting_rows(config: SamplingConfig, generator: torch.Generator) -> t
     return target, draft
 
 
-def first_emitted(
-    target: torch.Tensor, draft: torch.Tensor, is_one_hot_draft: bool, generator: torch.Generator
-) -> torch.Tensor:
+def first_emitted(target: torch.Tensor, draft: torch.Tensor, is_one_hot_draft: bool, generator: torch.Generator) -> torch.Tensor:
     """NUM_TRIALS one-token blocks drafted from ``draft`` -> the first emitted token of each."""
     drafted = torch.multinomial(draft, NUM_TRIALS, replacement=True, generator=generator)[:, None]
     draft_probs = None if is_one_hot_draft else draft.expand(NUM_TRIALS, 1, VOCAB)
@@ -155,8 +153,7 @@ def test_correction_follows_the_residual_by_inverse_cdf():
 def test_all_accepted_draws_the_bonus_from_the_last_row():
     target = torch.stack([one_hot(1), one_hot(2), probs(0.25, 0.25, 0.5, 0.0)])
     bonuses = [
-        accept_block(ids(1, 2), None, target, uniforms((0.5, 0.5), (0.5, 0.5), (0.0, draw)))
-        for draw in (0.1, 0.3, 0.6, LARGEST_UNIFORM)
+        accept_block(ids(1, 2), None, target, uniforms((0.5, 0.5), (0.5, 0.5), (0.0, draw))) for draw in (0.1, 0.3, 0.6, LARGEST_UNIFORM)
     ]
     assert bonuses == [Acceptance(2, token_id, is_bonus=True) for token_id in (0, 1, 2, 2)]
 
@@ -317,10 +314,8 @@ def test_vectorised_rule_equals_accept_block_trial_by_trial(config, is_one_hot_d
     draws = torch.rand(num_blocks, num_drafted + 1, 2, generator=generator, dtype=torch.float64)
     draft_probs = None if is_one_hot_draft else draft
     num_accepted, next_ids = accept_blocks(drafted, draft_probs, target, draws)
-    verdicts = [
-        accept_block(drafted[i], None if is_one_hot_draft else draft[i], target[i], draws[i]) for i in range(num_blocks)
-    ]
-    assert [(v.num_accepted, v.next_token_id) for v in verdicts] == list(zip(num_accepted.tolist(), next_ids.tolist()))
+    verdicts = [accept_block(drafted[i], None if is_one_hot_draft else draft[i], target[i], draws[i]) for i in range(num_blocks)]
+    assert [(v.num_accepted, v.next_token_id) for v in verdicts] == list(zip(num_accepted.tolist(), next_ids.tolist(), strict=True))
     assert 0 < num_accepted.sum() < num_blocks * num_drafted  # both outcomes occurred
 
 
@@ -339,10 +334,12 @@ def test_first_emitted_token_follows_the_target_through_accept_block_itself():
     drafted = torch.multinomial(draft, NUM_TRIALS, replacement=True, generator=generator)
     draws = torch.rand(NUM_TRIALS, 2, 2, generator=generator, dtype=torch.float64)
     target_rows, draft_rows = torch.stack([target, target]), draft[None]
-    emitted = torch.tensor([
-        _first_emitted_token(accept_block(drafted[i : i + 1], draft_rows, target_rows, draws[i]), int(drafted[i]))
-        for i in range(NUM_TRIALS)
-    ])
+    emitted = torch.tensor(
+        [
+            _first_emitted_token(accept_block(drafted[i : i + 1], draft_rows, target_rows, draws[i]), int(drafted[i]))
+            for i in range(NUM_TRIALS)
+        ]
+    )
     assert total_variation(empirical(emitted, VOCAB), target) < MAX_TOTAL_VARIATION
 
 

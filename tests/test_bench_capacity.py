@@ -18,8 +18,10 @@ from spade_bench.client import Generation
 from spade_bench.data import BenchItem
 from verifier_support import verifier_app
 
-ITEMS = [BenchItem("spec_bench", "1", "writing", ("Write a haiku about the sea.",)),
-         BenchItem("spec_bench", "2", "qa", ("Why is the sky blue?",))]
+ITEMS = [
+    BenchItem("spec_bench", "1", "writing", ("Write a haiku about the sea.",)),
+    BenchItem("spec_bench", "2", "qa", ("Why is the sky blue?",)),
+]
 MAX_TOKENS = 12
 
 
@@ -32,8 +34,7 @@ def verifier_url(tiny_pair):
 @pytest.fixture(scope="module")
 def recorded(tiny_pair, verifier_url):
     recorder = VerifyRecorder()
-    with serve(recording_app(verifier_url, recorder)) as proxy_url, \
-            serve(edge_app(tiny_pair, proxy_url, draft_length=3)) as edge_url:
+    with serve(recording_app(verifier_url, recorder)) as proxy_url, serve(edge_app(tiny_pair, proxy_url, draft_length=3)) as edge_url:
         return record_sessions(edge_url, recorder, ITEMS, Generation(MAX_TOKENS))
 
 
@@ -69,9 +70,13 @@ def _user(mode: str, tokens: int, started: float, finished: float, ttft: float) 
 
 def test_a_level_row_is_computed_from_its_users_and_the_metrics_delta():
     users = [_user(SPADE, 10, 0.0, 5.0, 1.0), _user(SPADE, 20, 1.0, 5.0, 2.0), _user(SPADE, 10, 0.0, 10.0, 3.0)]
-    delta = {"process_cpu_seconds_total": 8.0, "spade_verifier_queue_seconds_sum": 0.5,
-             "spade_verifier_queue_seconds_count": 10.0, "spade_verifier_batch_sessions_sum": 25.0,
-             "spade_verifier_batch_sessions_count": 10.0}
+    delta = {
+        "process_cpu_seconds_total": 8.0,
+        "spade_verifier_queue_seconds_sum": 0.5,
+        "spade_verifier_queue_seconds_count": 10.0,
+        "spade_verifier_batch_sessions_sum": 25.0,
+        "spade_verifier_batch_sessions_count": 10.0,
+    }
     row = level_row(SPADE, users, delta)
     assert (row.tokens, row.makespan_s, row.aggregate_tok_s) == (40, 10.0, 4.0)
     assert (row.user_tok_s_p50, row.user_tok_s_p99) == (2.0, pytest.approx(1.02))
@@ -84,8 +89,14 @@ def _row(mode: str, num_users: int, aggregate: float, slowest: float) -> LevelRo
 
 
 def test_capacity_is_the_largest_n_whose_slowest_users_meet_the_target():
-    rows = [_row(TARGET, 1, 2.0, 2.0), _row(TARGET, 2, 2.2, 1.1), _row(TARGET, 4, 2.4, 0.6),
-            _row(SPADE, 1, 1.5, 1.5), _row(SPADE, 2, 3.0, 1.5), _row(SPADE, 4, 5.0, 1.2)]
+    rows = [
+        _row(TARGET, 1, 2.0, 2.0),
+        _row(TARGET, 2, 2.2, 1.1),
+        _row(TARGET, 4, 2.4, 0.6),
+        _row(SPADE, 1, 1.5, 1.5),
+        _row(SPADE, 2, 3.0, 1.5),
+        _row(SPADE, 4, 5.0, 1.2),
+    ]
     assert (max_users_at(rows, TARGET, 1.0), max_users_at(rows, SPADE, 1.0), max_users_at(rows, SPADE, 2.0)) == (2, 4, None)
     table = markdown_table(rows, 1.0)
     assert "| spade | 4 | 5.00 | 2.08× |" in table

@@ -25,7 +25,10 @@ def spec_file(tmp_path):
 def test_spec_bench_rows(spec_file):
     items = load_items(spec_file)
     assert [(i.dataset, i.item_id, i.category, i.num_turns) for i in items] == [
-        (SPEC_BENCH, "2", "writing", 2), (SPEC_BENCH, "4", "writing", 1), (SPEC_BENCH, "6", "qa", 1)]
+        (SPEC_BENCH, "2", "writing", 2),
+        (SPEC_BENCH, "4", "writing", 1),
+        (SPEC_BENCH, "6", "qa", 1),
+    ]
     assert items[0].reference is None
 
 

@@ -21,15 +21,17 @@ pytestmark = [
 ]
 
 SPEC_ROWS = [
-    {"question_id": 1, "category": "writing",
-     "turns": ["Write a short note about the edge.", "Now make it shorter."]},
+    {"question_id": 1, "category": "writing", "turns": ["Write a short note about the edge.", "Now make it shorter."]},
     {"question_id": 2, "category": "translation", "turns": ["Translate to French: the cloud verifies the block."]},
     {"question_id": 3, "category": "translation", "turns": ["Not selected: --quick keeps one item per category."]},
 ]
 CNNDM_ROWS = [
-    {"id": "a1", "article": "The edge drafts a block of tokens and the cloud verifies the whole block in one pass. "
-                            "Speculative decoding keeps the output distribution of the target model exactly.",
-     "highlights": "The edge drafts tokens . The cloud verifies them in one pass ."},
+    {
+        "id": "a1",
+        "article": "The edge drafts a block of tokens and the cloud verifies the whole block in one pass. "
+        "Speculative decoding keeps the output distribution of the target model exactly.",
+        "highlights": "The edge drafts tokens . The cloud verifies them in one pass .",
+    },
 ]
 LABELS = {"target", "spade-k3", "spade-auto", "draft"}
 PHASES = 2 + 2 * 2 + 1  # target at 2 RTTs, 2 draft lengths at 2 RTTs, draft-only once
@@ -47,8 +49,19 @@ def quick_run(tmp_path_factory):
     spec = _write_jsonl(root / "spec.jsonl", SPEC_ROWS)
     cnndm = _write_jsonl(root / "cnndm.jsonl", CNNDM_ROWS)
     output = root / "out"
-    command = [sys.executable, "-m", "spade_bench.cli", "--quick", "--data", str(spec), "--data", str(cnndm),
-               "--output", str(output), "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "spade_bench.cli",
+        "--quick",
+        "--data",
+        str(spec),
+        "--data",
+        str(cnndm),
+        "--output",
+        str(output),
+        "--no-progress",
+    ]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert completed.returncode == 0, completed.stderr[-4000:]
     results = json.loads((output / "results.json").read_text())
@@ -59,8 +72,7 @@ def test_writes_every_output_file(quick_run):
     output, stdout, _ = quick_run
     for name in ("results.json", "requests.jsonl", "summary.md"):
         assert (output / name).is_file(), name
-    for name in ("tokens_per_s_vs_rtt.png", "passes_vs_draft_length.png", "accepted_per_category.png",
-                 "verifier_cpu_per_token.png"):
+    for name in ("tokens_per_s_vs_rtt.png", "passes_vs_draft_length.png", "accepted_per_category.png", "verifier_cpu_per_token.png"):
         assert (output / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     assert "| mode | RTT ms |" in stdout
     assert (output / "summary.md").read_text() in stdout
@@ -120,7 +132,8 @@ def test_summaries_agree_with_the_records(quick_run):
         assert summary["num_requests"] == len(records)
         assert summary["completion_tokens"] == sum(record["completion_tokens"] for record in records)
     assert pooled["target"]["mean_accepted_tokens"] == pytest.approx(
-        pooled["target"]["completion_tokens"] / pooled["target"]["verify_calls"])
+        pooled["target"]["completion_tokens"] / pooled["target"]["verify_calls"]
+    )
     assert pooled["spade-k3"]["passes_per_token"] < pooled["target"]["passes_per_token"]
 
 

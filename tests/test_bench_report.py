@@ -13,16 +13,33 @@ from spade_bench.plots import PLOT_FILES, write_plots
 from spade_bench.proxy import LinkCounters
 from spade_bench.records import EdgeVariant, Phase, RequestRecord
 from spade_bench.report import (
-    Summaries, goals, load_records, main_table, markdown_report, time_split_table, write_results,
+    Summaries,
+    goals,
+    load_records,
+    main_table,
+    markdown_report,
+    time_split_table,
+    write_results,
 )
 from spade_bench.runner import Snapshot, build_record
 
 
 def record(phase: Phase, item_id: str = "1", tokens: int = 10, wall_s: float = 1.0, **fields) -> RequestRecord:
     values = dict(
-        dataset="spec_bench", item_id=item_id, category="qa", turn=1, mode=phase.mode, label=phase.label,
-        draft_length=phase.draft_length, rtt_ms=phase.rtt_ms, text=f"answer {item_id}", finish_reason="length",
-        prompt_tokens=5, completion_tokens=tokens, wall_s=wall_s, ttft_s=0.1,
+        dataset="spec_bench",
+        item_id=item_id,
+        category="qa",
+        turn=1,
+        mode=phase.mode,
+        label=phase.label,
+        draft_length=phase.draft_length,
+        rtt_ms=phase.rtt_ms,
+        text=f"answer {item_id}",
+        finish_reason="length",
+        prompt_tokens=5,
+        completion_tokens=tokens,
+        wall_s=wall_s,
+        ttft_s=0.1,
     )
     return RequestRecord(**(values | fields))
 
@@ -35,26 +52,46 @@ DRAFT = Phase("draft")
 
 
 def target_record(phase=TARGET_0, item_id="1", tokens=10, wall_s=1.0, **fields):
-    costs = dict(verify_calls=tokens, drafted_tokens=0, accepted_tokens=0, target_tokens=tokens + 5,
-                 target_passes=tokens, verifier_cpu_s=tokens * 0.5, bytes_up=100, bytes_down=1000)
+    costs = dict(
+        verify_calls=tokens,
+        drafted_tokens=0,
+        accepted_tokens=0,
+        target_tokens=tokens + 5,
+        target_passes=tokens,
+        verifier_cpu_s=tokens * 0.5,
+        bytes_up=100,
+        bytes_down=1000,
+    )
     return record(phase, item_id, tokens, wall_s, **(costs | fields))
 
 
 def spade_record(phase=SPADE_0, item_id="1", tokens=10, wall_s=1.0, **fields):
-    costs = dict(verify_calls=2, drafted_tokens=8, accepted_tokens=8, target_tokens=15, target_passes=2,
-                 verifier_cpu_s=1.0, edge_cpu_s=2.0, bytes_up=400, bytes_down=300)
+    costs = dict(
+        verify_calls=2,
+        drafted_tokens=8,
+        accepted_tokens=8,
+        target_tokens=15,
+        target_passes=2,
+        verifier_cpu_s=1.0,
+        edge_cpu_s=2.0,
+        bytes_up=400,
+        bytes_down=300,
+    )
     return record(phase, item_id, tokens, wall_s, **(costs | fields))
 
 
 def test_phase_labels():
-    assert [TARGET_0.label, SPADE_0.label, Phase("spade", "auto", 0.0).label, DRAFT.label] == [
-        "target", "spade-k4", "spade-auto", "draft"]
+    assert [TARGET_0.label, SPADE_0.label, Phase("spade", "auto", 0.0).label, DRAFT.label] == ["target", "spade-k4", "spade-auto", "draft"]
 
 
 def test_edge_variants_name_what_differs_from_the_edges_defaults():
     variants = [EdgeVariant(), EdgeVariant(overlap=False), EdgeVariant("transformers"), EdgeVariant("llamacpp", overlap=False)]
     assert [Phase("spade", "8", 0.0, variant).label for variant in variants] == [
-        "spade-k8", "spade-k8-in-turn", "spade-k8-transformers", "spade-k8-llamacpp-in-turn"]
+        "spade-k8",
+        "spade-k8-in-turn",
+        "spade-k8-transformers",
+        "spade-k8-llamacpp-in-turn",
+    ]
     assert EdgeVariant("llamacpp", overlap=False).edge_args == ("--draft-backend", "llamacpp", "--overlap", "false")
 
 
@@ -71,8 +108,9 @@ def test_rates_are_ratios_of_sums():
 
 
 def test_spade_counts():
-    summary = summarize_group([spade_record(), spade_record(item_id="2", tokens=6, verify_calls=3, target_passes=3,
-                                                            drafted_tokens=12, accepted_tokens=3)])
+    summary = summarize_group(
+        [spade_record(), spade_record(item_id="2", tokens=6, verify_calls=3, target_passes=3, drafted_tokens=12, accepted_tokens=3)]
+    )
     assert summary.target_passes == 5
     assert summary.passes_per_token == pytest.approx(5 / 16)
     assert summary.mean_accepted_tokens == pytest.approx(16 / 5)
@@ -98,25 +136,40 @@ def test_empty_group_is_refused():
 
 
 def test_groupings_and_speedup():
-    records = [target_record(TARGET_0, wall_s=2.0), target_record(TARGET_50, wall_s=4.0),
-               spade_record(SPADE_0, wall_s=1.0), spade_record(SPADE_50, wall_s=5.0),
-               spade_record(SPADE_0, item_id="2", category="math", wall_s=1.0)]
+    records = [
+        target_record(TARGET_0, wall_s=2.0),
+        target_record(TARGET_50, wall_s=4.0),
+        spade_record(SPADE_0, wall_s=1.0),
+        spade_record(SPADE_50, wall_s=5.0),
+        spade_record(SPADE_0, item_id="2", category="math", wall_s=1.0),
+    ]
     by_rtt = summarize(records)
     assert [(s.label, s.rtt_ms, s.num_requests) for s in by_rtt] == [
-        ("target", 0.0, 1), ("target", 50.0, 1), ("spade-k4", 0.0, 2), ("spade-k4", 50.0, 1)]
+        ("target", 0.0, 1),
+        ("target", 50.0, 1),
+        ("spade-k4", 0.0, 2),
+        ("spade-k4", 50.0, 1),
+    ]
     assert speedup(by_rtt, find(by_rtt, "spade-k4", 0.0)) == pytest.approx((20 / 2) / (10 / 2))
     assert speedup(by_rtt, find(by_rtt, "spade-k4", 50.0)) == pytest.approx((10 / 5) / (10 / 4))
     pooled = summarize(records, by_rtt=False)
     assert [(s.label, s.rtt_ms, s.num_requests) for s in pooled] == [("target", None, 2), ("spade-k4", None, 3)]
     by_category = summarize(records, by_rtt=False, by_category=True)
     assert {(s.label, s.category): s.num_requests for s in by_category} == {
-        ("target", "qa"): 2, ("spade-k4", "qa"): 2, ("spade-k4", "math"): 1}
+        ("target", "qa"): 2,
+        ("spade-k4", "qa"): 2,
+        ("spade-k4", "math"): 1,
+    }
 
 
 def test_identical_to_target_compares_the_same_prompt():
-    records = [target_record(TARGET_0, item_id="1", text="A"), target_record(TARGET_50, item_id="1", text="A"),
-               spade_record(SPADE_0, item_id="1", text="A"), spade_record(SPADE_50, item_id="1", text="A!"),
-               spade_record(SPADE_0, item_id="9", text="no target ran this prompt")]
+    records = [
+        target_record(TARGET_0, item_id="1", text="A"),
+        target_record(TARGET_50, item_id="1", text="A"),
+        spade_record(SPADE_0, item_id="1", text="A"),
+        spade_record(SPADE_50, item_id="1", text="A!"),
+        spade_record(SPADE_0, item_id="9", text="no target ran this prompt"),
+    ]
     annotate_identical(records)
     assert [r.identical_to_target for r in records] == [True, True, True, False, None]
     assert find(summarize(records), "spade-k4", 0.0).identical_share == pytest.approx(1.0)
@@ -134,12 +187,21 @@ def test_rouge_scores_against_the_reference():
 
 def test_build_record_prefers_the_verifiers_counters():
     item = BenchItem("spec_bench", "7", "qa", ("q",))
-    result = StreamResult("out", "length", 4, 10, 2.0, 0.5, {"verify_calls": 3, "drafted_tokens": 12,
-                                                                "accepted_tokens": 7, "target_tokens": 16}, 5)
-    before = Snapshot({"spade_verifier_forward_passes_total": 10.0, "spade_verifier_target_tokens_total": 100.0},
-                      verifier_cpu_s=1.0, edge_cpu_s=5.0, link=LinkCounters(10, 20, 1))
-    after = Snapshot({"spade_verifier_forward_passes_total": 13.0, "spade_verifier_target_tokens_total": 116.0},
-                     verifier_cpu_s=1.25, edge_cpu_s=6.0, link=LinkCounters(110, 70, 1))
+    result = StreamResult(
+        "out", "length", 4, 10, 2.0, 0.5, {"verify_calls": 3, "drafted_tokens": 12, "accepted_tokens": 7, "target_tokens": 16}, 5
+    )
+    before = Snapshot(
+        {"spade_verifier_forward_passes_total": 10.0, "spade_verifier_target_tokens_total": 100.0},
+        verifier_cpu_s=1.0,
+        edge_cpu_s=5.0,
+        link=LinkCounters(10, 20, 1),
+    )
+    after = Snapshot(
+        {"spade_verifier_forward_passes_total": 13.0, "spade_verifier_target_tokens_total": 116.0},
+        verifier_cpu_s=1.25,
+        edge_cpu_s=6.0,
+        link=LinkCounters(110, 70, 1),
+    )
     built = build_record(item, 1, SPADE_0, result, before, after)
     assert (built.target_passes, built.target_tokens, built.verify_calls) == (3, 16, 3)
     assert (built.verifier_cpu_s, built.edge_cpu_s) == (pytest.approx(0.25), pytest.approx(1.0))
@@ -177,26 +239,47 @@ def test_tables_goals_and_json(tmp_path):
 
 
 def test_plots_are_written(tmp_path):
-    records = [target_record(TARGET_0), target_record(TARGET_50), spade_record(SPADE_0), spade_record(SPADE_50),
-               spade_record(Phase("spade", "auto", 0.0)), record(DRAFT, edge_cpu_s=1.0)]
+    records = [
+        target_record(TARGET_0),
+        target_record(TARGET_50),
+        spade_record(SPADE_0),
+        spade_record(SPADE_50),
+        spade_record(Phase("spade", "auto", 0.0)),
+        record(DRAFT, edge_cpu_s=1.0),
+    ]
     paths = write_plots(Summaries.of(records), tmp_path)
     assert [path.name for path in paths] == list(PLOT_FILES)
     assert all(path.read_bytes()[:4] == b"\x89PNG" for path in paths)
 
 
 def test_time_split_adds_up_to_the_wall():
-    records = [spade_record(tokens=10, wall_s=1.0, draft_ms=500.0, verify_ms=400.0, verifier_forward_ms=300.0),
-               target_record(draft_ms=0.0, verify_ms=0.0, verifier_forward_ms=900.0)]
+    records = [
+        spade_record(tokens=10, wall_s=1.0, draft_ms=500.0, verify_ms=400.0, verifier_forward_ms=300.0),
+        target_record(draft_ms=0.0, verify_ms=0.0, verifier_forward_ms=900.0),
+    ]
     summary = find(summarize(records), "spade-k4", 0.0)
     assert (summary.draft_s_per_token, summary.verify_s_per_token, summary.forward_s_per_token) == (
-        pytest.approx(0.05), pytest.approx(0.04), pytest.approx(0.03))
+        pytest.approx(0.05),
+        pytest.approx(0.04),
+        pytest.approx(0.03),
+    )
     (row,) = time_split_table(Summaries.of(records)).splitlines()[2:]
     assert row == "| spade-k4 | 0 | 0.100 | 0.050 | 0.040 | 0.030 | 0.010 | 0.010 | – | – |"
 
 
 def test_drafting_during_verify_calls_is_listed_apart_with_the_overlap_hit_rate():
-    records = [spade_record(tokens=10, wall_s=1.0, draft_ms=100.0, draft_ahead_ms=300.0, overlap_hits=3, overlap_misses=1,
-                            verify_ms=800.0, verifier_forward_ms=700.0)]
+    records = [
+        spade_record(
+            tokens=10,
+            wall_s=1.0,
+            draft_ms=100.0,
+            draft_ahead_ms=300.0,
+            overlap_hits=3,
+            overlap_misses=1,
+            verify_ms=800.0,
+            verifier_forward_ms=700.0,
+        )
+    ]
     (row,) = time_split_table(Summaries.of(records)).splitlines()[2:]
     assert row == "| spade-k4 | 0 | 0.100 | 0.010 | 0.080 | 0.070 | 0.010 | 0.010 | 0.030 | 75 % |"
 

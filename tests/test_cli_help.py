@@ -88,7 +88,7 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 HEAVY_MODULES = ("torch", "transformers", "uvicorn", "fastapi", "cyllama", "numpy")
 """What --help and --version must not import: each costs seconds on a small machine."""
 
-IMPORTS_AFTER_HELP = """
+IMPORTS_AFTER_HELP = f"""
 import sys
 from importlib.metadata import entry_points
 
@@ -98,8 +98,8 @@ try:
     entry.load()([flag])
 except SystemExit:
     pass
-print("LOADED", sorted(name for name in {heavy!r} if name in sys.modules), file=sys.stderr)
-""".format(heavy=HEAVY_MODULES)
+print("LOADED", sorted(name for name in {HEAVY_MODULES!r} if name in sys.modules), file=sys.stderr)
+"""
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -113,20 +113,22 @@ def test_version_prints_the_package_version(script):
 def test_help_and_version_import_nothing_heavy(script, flag):
     """The time of --help is the time of its imports: a deterministic stand-in for "well under a
     second" (torch alone takes seconds to import on the machines this runs on)."""
-    result = subprocess.run([sys.executable, "-c", IMPORTS_AFTER_HELP, script, flag],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", IMPORTS_AFTER_HELP, script, flag], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "LOADED []" in result.stderr
 
 
-@pytest.mark.parametrize(("script", "flag", "values"), [
-    ("spade-edge", "--draft-backend", ("auto", "llamacpp", "transformers")),
-    ("spade-edge", "--fallback", ("error", "draft")),
-    ("spade-edge", "--log-level", ("critical", "error", "warning", "info", "debug")),
-    ("spade-verifier", "--backend", ("transformers", "vllm")),
-    ("spade-verifier", "--vllm-exact-route", ("sample_match", "full_logprobs")),
-    ("spade-verifier", "--log-level", ("critical", "error", "warning", "info", "debug")),
-])
+@pytest.mark.parametrize(
+    ("script", "flag", "values"),
+    [
+        ("spade-edge", "--draft-backend", ("auto", "llamacpp", "transformers")),
+        ("spade-edge", "--fallback", ("error", "draft")),
+        ("spade-edge", "--log-level", ("critical", "error", "warning", "info", "debug")),
+        ("spade-verifier", "--backend", ("transformers", "vllm")),
+        ("spade-verifier", "--vllm-exact-route", ("sample_match", "full_logprobs")),
+        ("spade-verifier", "--log-level", ("critical", "error", "warning", "info", "debug")),
+    ],
+)
 def test_help_lists_the_allowed_values(script, flag, values):
     assert f"One of: {', '.join(values)}." in help_entry(run_script(script, ["--help"], dict(os.environ)).stdout, flag)
 
@@ -153,11 +155,9 @@ def test_every_boolean_setting_has_a_no_flag():
 
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser, VerifierSettings)
-    settings = settings_from_arguments(parser, parser.parse_args(["--no-fast-kernels", "--no-metrics-require-key"]),
-                                       VerifierSettings)
+    settings = settings_from_arguments(parser, parser.parse_args(["--no-fast-kernels", "--no-metrics-require-key"]), VerifierSettings)
     assert (settings.fast_kernels, settings.metrics_require_key) == (False, False)
-    settings = settings_from_arguments(parser, parser.parse_args(["--batch-invariant", "--log-level", "DEBUG"]),
-                                       VerifierSettings)
+    settings = settings_from_arguments(parser, parser.parse_args(["--batch-invariant", "--log-level", "DEBUG"]), VerifierSettings)
     assert (settings.batch_invariant, settings.log_level) == (True, "debug")
 
 

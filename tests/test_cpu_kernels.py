@@ -94,7 +94,8 @@ def test_kernel_matches_a_float64_reference(library, num_rows, num_outputs, num_
 @pytest.mark.parametrize("num_rows", [2, 3, 5, 8, 9, 10, 16, 17, 40])
 def test_kernel_row_is_bitwise_the_same_alone_or_among_others(library, num_rows):
     generator = torch.Generator().manual_seed(num_rows)
-    rows, weight, bias = torch.randn(num_rows, 100, generator=generator), torch.randn(75, 100, generator=generator), torch.randn(75, generator=generator)
+    rows = torch.randn(num_rows, 100, generator=generator)
+    weight, bias = torch.randn(75, 100, generator=generator), torch.randn(75, generator=generator)
     together = kernel_linear(library, rows, weight, bias)
     alone = torch.cat([kernel_linear(library, rows[index : index + 1].clone(), weight, bias) for index in range(num_rows)])
     assert torch.equal(together, alone)
@@ -140,8 +141,9 @@ def test_batch_invariant_rows_are_bitwise_equal_to_one_token_steps(request, mode
     patch = apply_cpu_kernels(model, library, batch_invariant=True)
     new_cache = CACHES[cache_kind]
     steps = stepwise_logits(model, TOKENS, PREFIX, 16, new_cache)
-    unequal = [num_rows for num_rows in range(2, 17)
-               if not torch.equal(block_logits(model, TOKENS, PREFIX, num_rows, new_cache), steps[:num_rows])]
+    unequal = [
+        num_rows for num_rows in range(2, 17) if not torch.equal(block_logits(model, TOKENS, PREFIX, num_rows, new_cache), steps[:num_rows])
+    ]
     assert (patch.mode, unequal) == ("batch_invariant", [])
 
 
@@ -153,8 +155,9 @@ def test_growing_cache_gives_the_logits_of_dynamic_cache_through_appends_and_cro
     feeds = [TOKENS[:PREFIX]] + [random_tokens(rng, 9, 384) for _ in range(40)]
     for feed in feeds:
         with torch.inference_mode():
-            logits = [model(input_ids=torch.tensor([feed]), use_cache=True, **{cache_argument_name(model): cache}).logits
-                      for cache in caches]
+            logits = [
+                model(input_ids=torch.tensor([feed]), use_cache=True, **{cache_argument_name(model): cache}).logits for cache in caches
+            ]
         assert torch.equal(*logits)
         num_rejected = rng.randrange(0, 10)
         for cache in caches:
@@ -169,8 +172,8 @@ def test_fast_mode_stays_within_fp32_rounding_of_stock_and_keeps_its_argmax(mode
     apply_cpu_kernels(model, library, batch_invariant=False)
     fast = [block_logits(model, TOKENS, prefix, 9) for prefix in (1, PREFIX)]
     scale = max(logits.abs().max().item() for logits in stock)
-    assert max((a - b).abs().max().item() for a, b in zip(fast, stock)) <= 1e-5 * scale
-    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(fast, stock))
+    assert max((a - b).abs().max().item() for a, b in zip(fast, stock, strict=True)) <= 1e-5 * scale
+    assert all(torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(fast, stock, strict=True))
 
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "batch-invariant"])
@@ -214,9 +217,18 @@ def test_no_kernels_when_both_settings_are_off(model):
 # --- the service ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("num_drafted,num_target_tokens,label", [
-    (0, 1, "0"), (8, 9, "8"), (16, 17, "16"), (17, 18, "17+"), (40, 41, "17+"), (3, 20, "prefill"), (0, 12, "prefill"),
-])
+@pytest.mark.parametrize(
+    "num_drafted,num_target_tokens,label",
+    [
+        (0, 1, "0"),
+        (8, 9, "8"),
+        (16, 17, "16"),
+        (17, 18, "17+"),
+        (40, 41, "17+"),
+        (3, 20, "prefill"),
+        (0, 12, "prefill"),
+    ],
+)
 def test_block_label(num_drafted, num_target_tokens, label):
     assert block_label(num_drafted, num_target_tokens) == label
 
@@ -229,8 +241,12 @@ def invariant_client(tiny_pair, library):
 
 def by_block_counts(client) -> dict[str, float]:
     families = text_string_to_metric_families(client.get("/metrics").text)
-    return {sample.labels["num_drafted"]: sample.value for family in families for sample in family.samples
-            if sample.name == "spade_verifier_forward_seconds_by_block_count"}
+    return {
+        sample.labels["num_drafted"]: sample.value
+        for family in families
+        for sample in family.samples
+        if sample.name == "spade_verifier_forward_seconds_by_block_count"
+    }
 
 
 def test_verify_answers_match_a_plain_forward_in_the_batch_invariant_mode(invariant_client, target_model):
@@ -276,8 +292,9 @@ def invariant_target_outputs(invariant_verifier_url):
 
 
 @pytest.mark.parametrize("draft_length", ["1", "5", "8", "auto"])
-def test_greedy_output_equals_target_only_with_a_batch_invariant_verifier(tiny_pair, invariant_verifier_url,
-                                                                         invariant_target_outputs, draft_length):
+def test_greedy_output_equals_target_only_with_a_batch_invariant_verifier(
+    tiny_pair, invariant_verifier_url, invariant_target_outputs, draft_length
+):
     with serve(edge_app(tiny_pair, invariant_verifier_url, draft_length=draft_length)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         outputs = {case.id: generate(client, case) for case in CASES if not case.stream}

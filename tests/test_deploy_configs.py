@@ -31,8 +31,12 @@ from deploy_support import (
 from edge_agent.verifier_client import SESSION_HEADER
 
 REQUIRED_PANELS = {
-    "Tokens per verify call", "Acceptance rate", "Verify latency", "Target passes saved vs target-only",
-    "Live sessions", "Verifier CPU (cores)",
+    "Tokens per verify call",
+    "Acceptance rate",
+    "Verify latency",
+    "Target passes saved vs target-only",
+    "Live sessions",
+    "Verifier CPU (cores)",
 }
 
 
@@ -61,7 +65,11 @@ def mount_source(spec: dict, target: str) -> str:
 def test_the_pool_proxies_to_the_pool_replicas(compose):
     text = NGINX_POOL_CONF.read_text()
     servers = set(re.findall(r"^\s*server\s+([\w.-]+:\d+)", text, flags=re.MULTILINE))
-    replicas = {name: port for name, port in services_running(compose, "spade-verifier").items() if compose["services"][name].get("profiles") == ["pool"]}
+    replicas = {
+        name: port
+        for name, port in services_running(compose, "spade-verifier").items()
+        if compose["services"][name].get("profiles") == ["pool"]
+    }
     assert servers == {f"{name}:{port}" for name, port in replicas.items()} == {"verifier-a:8001", "verifier-b:8001"}
     listen = re.search(r"^\s*listen\s+(\d+);", text, flags=re.MULTILINE).group(1)
     pool = compose["services"]["verifier-pool"]

@@ -53,7 +53,8 @@ def test_the_edge_metrics_are_open_to_the_unauthenticated_job(scrapes):
 
 
 def test_the_dashboards_inputs_count_what_the_request_did(scrapes):
-    samples = {sample.name: sample.value for family in text_string_to_metric_families(scrapes["spade-verifier"].text) for sample in family.samples}
+    families = text_string_to_metric_families(scrapes["spade-verifier"].text)
+    samples = {sample.name: sample.value for family in families for sample in family.samples}
     spade = scrapes["spade"]
     assert spade["verify_calls"] > 0
     assert samples["spade_verifier_verify_calls_total"] == spade["verify_calls"]

@@ -165,9 +165,13 @@ def test_every_published_port_is_on_loopback_by_default(compose):
             assert host_ip == "127.0.0.1", f"{name} publishes {mapping}"
             published[name] = (host_port, container_port)
     assert published == {
-        "edge": ("8000", "8000"), "edge-remote": ("8000", "8000"), "edge-pool": ("8000", "8000"),
-        "verifier-gpu": ("8001", "8001"), "verifier-pool": ("8001", "8001"),
-        "prometheus": ("9090", "9090"), "grafana": ("3000", "3000"),
+        "edge": ("8000", "8000"),
+        "edge-remote": ("8000", "8000"),
+        "edge-pool": ("8000", "8000"),
+        "verifier-gpu": ("8001", "8001"),
+        "verifier-pool": ("8001", "8001"),
+        "prometheus": ("9090", "9090"),
+        "grafana": ("3000", "3000"),
     }
     assert "ports" not in compose["services"]["verifier"]
 
@@ -175,7 +179,8 @@ def test_every_published_port_is_on_loopback_by_default(compose):
 def test_keys_come_from_the_env_file_only(compose):
     for name, spec in compose["services"].items():
         for variable, value in (spec.get("environment") or {}).items():
-            if re.search(r"KEY|PASSWORD|TOKEN|SECRET", variable) and not variable.endswith("__FILE") and variable != "SPADE_EDGE_METRICS_REQUIRE_KEY":
+            is_secret = re.search(r"KEY|PASSWORD|TOKEN|SECRET", variable) and not variable.endswith("__FILE")
+            if is_secret and variable != "SPADE_EDGE_METRICS_REQUIRE_KEY":
                 assert re.fullmatch(r"\$\{(\w+):-\}", str(value)), f"{name}: {variable} is not taken from .env"
                 assert re.fullmatch(r"\$\{(\w+):-\}", str(value)).group(1) in KEY_VARIABLES
     assert {secret["environment"] for secret in compose["secrets"].values()} <= KEY_VARIABLES
@@ -275,8 +280,12 @@ def test_keys_reach_the_services_from_the_env_file(tmp_path):
     env_file = tmp_path / "env"
     env_file.write_text("SPADE_VERIFIER_API_KEY=new-key,old-key\nSPADE_EDGE_VERIFIER_API_KEY=new-key\n")
     services = json.loads(run_compose(["--profile", "pool", "config", "--format", "json"], env_file).stdout)["services"]
-    assert {name: spec["environment"].get("SPADE_VERIFIER_API_KEY") for name, spec in services.items() if name.startswith("verifier-") and name != "verifier-pool"} \
-        == {"verifier-a": "new-key,old-key", "verifier-b": "new-key,old-key"}
+    replica_keys = {
+        name: spec["environment"].get("SPADE_VERIFIER_API_KEY")
+        for name, spec in services.items()
+        if name.startswith("verifier-") and name != "verifier-pool"
+    }
+    assert replica_keys == {"verifier-a": "new-key,old-key", "verifier-b": "new-key,old-key"}
     assert {spec["environment"]["SPADE_EDGE_VERIFIER_API_KEY"] for name, spec in services.items() if name.startswith("edge")} == {"new-key"}
 
 

@@ -146,8 +146,15 @@ def test_a_longer_block_never_reads_as_cheaper():
 # Learning: within a request, and across requests --------------------------------------------------
 
 
-def _feed(request_controller, acceptance: float, blocks: int, seed: int = 0, draft_s: float = 0.02, link_s: float = 0.01,
-          verify_line: tuple[float, float] = (0.2, 0.01)) -> list[int]:
+def _feed(
+    request_controller,
+    acceptance: float,
+    blocks: int,
+    seed: int = 0,
+    draft_s: float = 0.02,
+    link_s: float = 0.01,
+    verify_line: tuple[float, float] = (0.2, 0.01),
+) -> list[int]:
     """Blocks of the controller's length whose drafted tokens are each accepted with probability
     ``acceptance`` until the first rejection, as a verifier answers them; returns the lengths."""
     rng = random.Random(seed)
@@ -214,7 +221,12 @@ def test_fixed_length_learns_nothing():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("auto", AdaptiveDraftLength(max_length=12)), (" AUTO ", AdaptiveDraftLength(max_length=12)), ("5", FixedDraftLength(5)), (3, FixedDraftLength(3))],
+    [
+        ("auto", AdaptiveDraftLength(max_length=12)),
+        (" AUTO ", AdaptiveDraftLength(max_length=12)),
+        ("5", FixedDraftLength(5)),
+        (3, FixedDraftLength(3)),
+    ],
 )
 def test_parse_draft_length(value, expected):
     assert parse_draft_length(value, 12) == expected

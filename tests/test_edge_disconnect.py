@@ -85,7 +85,6 @@ def test_the_verifier_kv_cache_is_freed(servers, disconnect):
     assert wait_until(lambda: verifier.state.service.backend.num_cached_sessions == 0)
 
 
-
 # A client that leaves while the first verify call is in flight ----------------------------------
 
 

@@ -154,7 +154,10 @@ def test_curl_receives_the_events_then_done(edge_url):
     body = json.dumps(dict(messages=CHAT, stream=True, stream_options={"include_usage": True}, **SEEDED))
     result = subprocess.run(
         ["curl", "-N", "-sS", "--max-time", "60", "-H", "content-type: application/json", "-d", body, edge_url + "/v1/chat/completions"],
-        capture_output=True, text=True, timeout=90, check=True,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=True,
     )
     assert re.fullmatch("RC+FUD", "".join(_kind(payload) for payload in sse_payloads(result.stdout.splitlines())))
 
@@ -312,7 +315,11 @@ def test_another_model_is_404_in_the_openai_envelope(edge_url):
     response = httpx.post(edge_url + "/v1/completions", json={"model": "gpt-4o", "prompt": "hi", "max_tokens": 4}, timeout=30)
     error = response.json()["error"]
     assert (response.status_code, error["type"], error["param"], error["code"], "gpt-4o" in error["message"]) == (
-        404, "not_found_error", "model", "model_not_found", True,
+        404,
+        "not_found_error",
+        "model",
+        "model_not_found",
+        True,
     )
 
 
@@ -351,7 +358,6 @@ def test_metrics_counters_increase_by_what_a_request_did(client, edge_url):
 def test_no_request_is_active_after_a_response(client, edge_url):
     _greedy(client, max_tokens=3)
     assert metric_value(edge_url, "spade_edge_active_requests") == 0
-
 
 
 # The context limit ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def target_continuation(prompt: list[int], num_tokens: int) -> list[int]:
     context = list(prompt)
     for _ in range(num_tokens):
         context.append(target_rule(context))
-    return context[len(prompt):]
+    return context[len(prompt) :]
 
 
 @dataclass
@@ -46,7 +46,7 @@ class ScriptedDrafter:
     proposals: list[tuple[int, int]] = field(default_factory=list)
     """(context length, tokens asked) of every proposal."""
 
-    def start_session(self) -> "ScriptedDrafter":
+    def start_session(self) -> ScriptedDrafter:
         return self
 
     def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
@@ -54,7 +54,7 @@ class ScriptedDrafter:
         tokens = list(context)
         for _ in range(num_tokens):
             tokens.append(draft_rule(tokens))
-        return DraftBlock(tokens[len(context):], None)
+        return DraftBlock(tokens[len(context) :], None)
 
     def close(self) -> None:
         pass
@@ -71,10 +71,12 @@ class ScriptedVerifier:
     """(context, block, accepted, next token) of every answered call."""
     cancelled: list[int] = field(default_factory=list)
 
-    def open_session(self) -> "ScriptedVerifier":
+    def open_session(self) -> ScriptedVerifier:
         return self
 
-    async def verify(self, context: list[int], block: DraftBlock, sampling: SamplingConfig) -> VerifyResponse:
+    async def verify(
+        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
+    ) -> VerifyResponse:
         call = len(self.records)
         try:
             await asyncio.sleep(3600 if call == self.hang_on_call else self.latency_s)
@@ -91,9 +93,13 @@ class ScriptedVerifier:
         self.records.append(CallRecord(self.latency_s, 0, 0, False))
         self.verdicts.append((list(context), list(block.token_ids), num_accepted, next_token))
         return VerifyResponse(
-            session_id="s", num_accepted=num_accepted, next_token=next_token,
+            session_id="s",
+            num_accepted=num_accepted,
+            next_token=next_token,
             next_token_kind="bonus" if num_accepted == len(block.token_ids) else "correction",
-            logprobs=[0.0] * (num_accepted + 1), context_length=len(committed) + 1, num_target_tokens=len(block.token_ids) + 1,
+            logprobs=[0.0] * (num_accepted + 1),
+            context_length=len(committed) + 1,
+            num_target_tokens=len(block.token_ids) + 1,
             timings=VerifyTimings(queue_ms=0.0, forward_ms=1.0, total_ms=1.0),
         )
 
@@ -201,7 +207,11 @@ def test_draft_ahead_continues_a_context_that_runs_through_the_guess():
     assert ahead.seconds_per_token == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("context", [[1, 2, 3, 4, 9], [1, 2, 3, 8], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]], ids=["wrong-guess", "rejection", "no-next", "past-the-end"])
+@pytest.mark.parametrize(
+    "context",
+    [[1, 2, 3, 4, 9], [1, 2, 3, 8], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]],
+    ids=["wrong-guess", "rejection", "no-next", "past-the-end"],
+)
 def test_draft_ahead_is_unusable_for_any_other_context(context):
     ahead = DraftAhead(follows=[1, 2, 3, 4], token_ids=[5, 6, 7], probs=None, seconds=0.3)
     assert not ahead.is_continued_by(context) or context == [1, 2, 3, 4, 5, 6, 7]
@@ -211,7 +221,7 @@ def test_draft_ahead_is_unusable_for_any_other_context(context):
 def test_sampled_ahead_tokens_keep_their_distributions():
     rows = [SparseDistribution(token_ids=[token, token + 1], probs=[0.5, 0.5]) for token in (5, 6, 7)]
     ahead = DraftAhead(follows=[1, 2], token_ids=[], probs=None, seconds=0.0)
-    for token, row in zip((5, 6, 7), rows):
+    for token, row in zip((5, 6, 7), rows, strict=True):
         ahead.extend(DraftBlock([token], [row]), 0.01)
     block = ahead.continuation_of([1, 2, 5], 8)
     assert block == DraftBlock([6, 7], rows[1:])

@@ -16,8 +16,8 @@ import pytest
 from edge_support import DONE, edge_app, in_process_engine, metric_value, verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
-from spade_core.params import SamplingConfig
 from servers import LoopbackServer, serve, wait_until
+from spade_core.params import SamplingConfig
 
 MODEL = "target"
 PROMPTS = ["The edge drafts", "def add(a, b):"]
@@ -26,7 +26,9 @@ MAX_TOKENS = 60
 
 def _target_only_texts(verifier_url: str) -> list[str]:
     client = openai.OpenAI(base_url=verifier_url + "/v1", api_key="unused", max_retries=0)
-    return [client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text for prompt in PROMPTS]
+    return [
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0).choices[0].text for prompt in PROMPTS
+    ]
 
 
 # Session loss: the verifier forgets sessions mid-generation ------------------------------------
@@ -90,9 +92,17 @@ async def _stream_concurrently(edge_url: str) -> list[tuple[str, dict]]:
     client = openai.AsyncOpenAI(base_url=edge_url + "/v1", api_key="unused", max_retries=0)
 
     async def stream(prompt: str) -> tuple[str, dict]:
-        chunks = [chunk async for chunk in await client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True, stream_options={"include_usage": True},
-        )]
+        chunks = [
+            chunk
+            async for chunk in await client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        ]
         return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices), chunks[-1].model_extra["spade"]
 
     return await asyncio.gather(*(stream(prompt) for prompt in PROMPTS))
@@ -181,7 +191,9 @@ def test_a_stream_cut_by_an_outage_ends_with_an_error_event_then_done(outage):
 def test_the_in_band_error_is_service_unavailable_naming_the_verifier(outage):
     error = json.loads(outage.stream_payloads[-2])["error"]
     assert (error["type"], error["code"], f"the verifier at {outage.verifier_url} is unavailable" in error["message"]) == (
-        "service_unavailable_error", "verifier_unavailable", True,
+        "service_unavailable_error",
+        "verifier_unavailable",
+        True,
     )
 
 

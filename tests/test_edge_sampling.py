@@ -23,9 +23,9 @@ from scipy.stats import chisquare
 from edge_support import edge_app, in_process_engine, verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
+from servers import serve
 from spade_core.params import SamplingConfig
 from spade_core.sampling import processed_probs
-from servers import serve
 from spade_models.loader import LoadedModel, ModelSource, load_model
 
 PROMPT = "b b c c"
@@ -44,7 +44,12 @@ settings (fewer outcomes), which still rejects the draft's distribution by far."
 Outcome = tuple[int, ...]
 
 
-def exact_first_two(model: LoadedModel, prompt_ids: list[int], sampling: SamplingConfig, eos_token_ids: frozenset[int]) -> dict[Outcome, float]:
+def exact_first_two(
+    model: LoadedModel,
+    prompt_ids: list[int],
+    sampling: SamplingConfig,
+    eos_token_ids: frozenset[int],
+) -> dict[Outcome, float]:
     """P(t1) * P(t2 | t1) for every outcome of non-zero probability; EOS first is the outcome (eos,)."""
     first = _next_token_probs(model, prompt_ids, sampling)
     joint: dict[Outcome, float] = {}
@@ -95,7 +100,10 @@ async def _draw_first_two(pair, sampling: SamplingConfig, num_seeds: int) -> Cou
         for seed in range(num_seeds):
             # A budget of 4 lets the first block draft its 3 tokens; only the first 2 are kept.
             request = GenerationRequest(
-                f"draw-{seed}", prompt_ids, 4, SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed),
+                f"draw-{seed}",
+                prompt_ids,
+                4,
+                SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed),
                 engine.eos_token_ids,
             )
             outcomes[await _first_two(engine, request)] += 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_agent.drafter import ModelDrafter
 from edge_agent.draft_length import FixedDraftLength
+from edge_agent.drafter import ModelDrafter
 from edge_agent.engine import SpeculativeEngine, TargetDescription
 from edge_agent.metrics import EdgeMetrics
 from spade_core.params import SamplingConfig
@@ -109,7 +109,9 @@ def test_a_reused_cache_proposes_the_same_distributions(drafter, context):
     committed, _ = _after_a_rejection(context, first.token_ids, num_accepted=2)
     reused, fresh = session.propose(committed, 3, sampling), drafter.start_session().propose(committed, 3, sampling)
     assert [row.token_ids for row in reused.probs] == [row.token_ids for row in fresh.probs]
-    assert all(torch.allclose(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-5) for a, b in zip(reused.probs, fresh.probs))
+    assert all(
+        torch.allclose(torch.tensor(a.probs), torch.tensor(b.probs), atol=1e-5) for a, b in zip(reused.probs, fresh.probs, strict=True)
+    )
 
 
 def test_a_session_follows_a_context_it_did_not_draft(drafter, draft_model, context):
@@ -133,7 +135,10 @@ def test_sampled_distributions_keep_at_most_max_support_tokens(sampled_block):
 
 
 def test_each_sampled_token_lies_inside_its_distribution(sampled_block):
-    masses = [dict(zip(row.token_ids, row.probs)).get(token_id, 0.0) for row, token_id in zip(sampled_block.probs, sampled_block.token_ids)]
+    masses = [
+        dict(zip(row.token_ids, row.probs, strict=True)).get(token_id, 0.0)
+        for row, token_id in zip(sampled_block.probs, sampled_block.token_ids, strict=True)
+    ]
     assert all(mass > 0 for mass in masses)
 
 

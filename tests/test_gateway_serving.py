@@ -86,7 +86,7 @@ async def post(engine, path: str, body: dict) -> httpx.Response:
 
 
 def events(response: httpx.Response) -> list[dict | str]:
-    payloads = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    payloads = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
     return [payload if payload == "[DONE]" else json.loads(payload) for payload in payloads]
 
 
@@ -95,8 +95,7 @@ def chat(content: str = "a b", **fields) -> dict:
 
 
 def content_of(stream: list) -> str:
-    return "".join(event["choices"][0]["delta"].get("content", "") for event in stream
-                   if isinstance(event, dict) and event.get("choices"))
+    return "".join(event["choices"][0]["delta"].get("content", "") for event in stream if isinstance(event, dict) and event.get("choices"))
 
 
 # --- streams -------------------------------------------------------------------------------------
@@ -141,8 +140,7 @@ async def test_a_stop_string_across_tokens_ends_the_stream_unleaked_and_closes_t
 
 
 async def test_a_non_streamed_completion_carries_text_usage_and_spade(tokenizer):
-    body = (await post(ScriptedEngine(tokenizer, ["d", "e", "<|im_end|>"]), "/v1/completions",
-                       {"model": MODEL, "prompt": "a b c"})).json()
+    body = (await post(ScriptedEngine(tokenizer, ["d", "e", "<|im_end|>"]), "/v1/completions", {"model": MODEL, "prompt": "a b c"})).json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("d e", "stop")
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
@@ -178,8 +176,7 @@ async def test_an_internal_error_without_a_stream_is_a_500_logged_with_the_reque
     with caplog.at_level(logging.ERROR, logger="gateway"):
         response = await post(engine, "/v1/chat/completions", chat())
     assert response.status_code == 500
-    assert response.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
-                                        "param": None, "code": None}
+    assert response.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error", "param": None, "code": None}
     (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "chatcmpl-" in record.getMessage() and record.exc_info is not None
 

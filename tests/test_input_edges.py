@@ -35,7 +35,11 @@ def _greedy_text(url: str, **options) -> str:
 
 
 @pytest.mark.parametrize("service", ["verifier", "edge"])
-@pytest.mark.parametrize("options", [{"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-6}], ids=["1e-40", "min_subnormal", "1e-6"])
+@pytest.mark.parametrize(
+    "options",
+    [{"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-6}],
+    ids=["1e-40", "min_subnormal", "1e-6"],
+)
 def test_a_tiny_temperature_is_greedy(urls, service, options):
     assert _greedy_text(urls[service], **options) == _greedy_text(urls[service])
 
@@ -50,7 +54,11 @@ def test_a_tiny_top_p_is_top_1(urls, service, top_p):
 def test_tiny_sampling_values_through_verify_answer_the_greedy_verdict(urls, sampling):
     context = [10, 11, 12, 13]
     answers = [
-        httpx.post(urls["verifier"] + "/v1/verify", json=verify_body(f"s-{index}", [], [5], new_tokens=context, sampling=chosen), timeout=60)
+        httpx.post(
+            urls["verifier"] + "/v1/verify",
+            json=verify_body(f"s-{index}", [], [5], new_tokens=context, sampling=chosen),
+            timeout=60,
+        )
         for index, chosen in enumerate([sampling, {"temperature": 0.0}])
     ]
     assert [answer.status_code for answer in answers] == [200, 200]
@@ -58,8 +66,14 @@ def test_tiny_sampling_values_through_verify_answer_the_greedy_verdict(urls, sam
 
 
 LONE_SURROGATES = {
-    "chat_content": ("/v1/chat/completions", '{"model": "target", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
-    "chat_text_part": ("/v1/chat/completions", '{"model": "target", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}], "max_tokens": 2}'),
+    "chat_content": (
+        "/v1/chat/completions",
+        '{"model": "target", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+    ),
+    "chat_text_part": (
+        "/v1/chat/completions",
+        '{"model": "target", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}], "max_tokens": 2}',
+    ),
     "prompt": ("/v1/completions", '{"model": "target", "prompt": "a\\ud800b", "max_tokens": 2}'),
     "stop": ("/v1/completions", '{"model": "target", "prompt": "hi", "stop": ["\\ud83d"], "max_tokens": 2}'),
 }
@@ -139,7 +153,10 @@ def test_special_token_text_in_a_completion_prompt_is_counted_as_text(urls, serv
 @pytest.mark.parametrize("service", ["verifier", "edge"])
 def test_special_token_text_in_a_chat_is_counted_as_text(urls, service, target_model):
     messages = [{"role": "user", "content": INJECTION}]
-    usage = httpx.post(urls[service] + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1}, timeout=60).json()["usage"]
-    assert usage["prompt_tokens"] == len(chat_prompt_ids(target_model.tokenizer, messages)) != len(
-        target_model.tokenizer.encode(render_chat(target_model.tokenizer, messages), add_special_tokens=False)
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1}
+    usage = httpx.post(urls[service] + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert (
+        usage["prompt_tokens"]
+        == len(chat_prompt_ids(target_model.tokenizer, messages))
+        != len(target_model.tokenizer.encode(render_chat(target_model.tokenizer, messages), add_special_tokens=False))
     )

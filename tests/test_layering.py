@@ -42,8 +42,9 @@ def imported_modules(package: str) -> set[str]:
 
 def allowed(package: str, module: str) -> bool:
     """A rule names a whole package ("gateway") or one module of it ("verifier_service.protocol")."""
-    return any(module.split(".")[0] == rule if "." not in rule else module == rule or module.startswith(rule + ".")
-               for rule in ALLOWED[package])
+    return any(
+        module.split(".")[0] == rule if "." not in rule else module == rule or module.startswith(rule + ".") for rule in ALLOWED[package]
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -70,8 +71,10 @@ def test_the_package_graph_has_no_cycle():
 
 
 def loaded_after_importing(modules: list[str], watched: tuple[str, ...]) -> list[str]:
-    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
-            f"print(sorted(w for w in {watched!r} if w in sys.modules))")
+    code = (
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        f"print(sorted(w for w in {watched!r} if w in sys.modules))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     return eval(result.stdout)  # a list literal printed above

@@ -90,9 +90,21 @@ def edge_process(tiny_pair):
         with ProxyThread("127.0.0.1", upstream_port, LinkConfig(rtt_ms=100)) as proxy:
             port = _free_port()
             command = [
-                sys.executable, "-m", "edge_agent.cli", "--draft-model", str(tiny_pair.draft_dir),
-                "--verifier-url", f"http://127.0.0.1:{proxy.port}", "--port", str(port), "--draft-length", "3",
-                "--shutdown-grace-s", str(GRACE_S), "--log-level", "warning",
+                sys.executable,
+                "-m",
+                "edge_agent.cli",
+                "--draft-model",
+                str(tiny_pair.draft_dir),
+                "--verifier-url",
+                f"http://127.0.0.1:{proxy.port}",
+                "--port",
+                str(port),
+                "--draft-length",
+                "3",
+                "--shutdown-grace-s",
+                str(GRACE_S),
+                "--log-level",
+                "warning",
             ]
             environment = os.environ | {"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
             process = subprocess.Popen(command, cwd=ROOT, env=environment)

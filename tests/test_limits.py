@@ -62,9 +62,16 @@ def _status_and_error(answer: bytes) -> tuple[int, dict]:
 
 def test_a_declared_oversized_body_is_refused_413_before_it_is_sent(verifier_url):
     port = int(verifier_url.rsplit(":", 1)[1])
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {50 * 1024 * 1024}\r\n\r\n"
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {50 * 1024 * 1024}\r\n\r\n"
+    )
     status, error = _status_and_error(_raw_exchange(port, head.encode(), b'{"model": "target", "prompt": "'))
-    assert (status, error["type"], error["code"], str(MAX_BYTES) in error["message"]) == (413, "invalid_request_error", "request_too_large", True)
+    assert (status, error["type"], error["code"], str(MAX_BYTES) in error["message"]) == (
+        413,
+        "invalid_request_error",
+        "request_too_large",
+        True,
+    )
 
 
 def test_a_chunked_body_is_refused_413_once_it_passes_the_limit(verifier_url):
@@ -84,12 +91,19 @@ def test_a_body_under_the_limit_is_served(verifier_url):
 def test_max_tokens_over_the_cap_is_400_naming_the_cap(verifier_url):
     response = httpx.post(verifier_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 51}, timeout=60)
     error = response.json()["error"]
-    assert (response.status_code, error["param"], error["code"], "at most 50" in error["message"]) == (400, "max_tokens", "max_tokens_exceeded", True)
+    assert (response.status_code, error["param"], error["code"], "at most 50" in error["message"]) == (
+        400,
+        "max_tokens",
+        "max_tokens_exceeded",
+        True,
+    )
 
 
 def test_a_request_without_max_tokens_gets_the_default_budget(verifier_url):
-    answer = httpx.post(verifier_url + "/v1/completions", json={"model": MODEL, "prompt": "The edge drafts", "temperature": 0}, timeout=60).json()
-    assert answer["usage"]["completion_tokens"] <= 7 and (answer["choices"][0]["finish_reason"] == "length") == (answer["usage"]["completion_tokens"] == 7)
+    body = {"model": MODEL, "prompt": "The edge drafts", "temperature": 0}
+    answer = httpx.post(verifier_url + "/v1/completions", json=body, timeout=60).json()
+    num_completion_tokens = answer["usage"]["completion_tokens"]
+    assert num_completion_tokens <= 7 and (answer["choices"][0]["finish_reason"] == "length") == (num_completion_tokens == 7)
 
 
 def test_health_answers_while_a_maximum_size_prompt_is_tokenized_and_refused(tiny_pair):
@@ -146,8 +160,13 @@ def test_the_request_past_the_concurrency_limit_is_429_with_retry_after():
         statuses = [future.result().status_code for future in held]
         after = httpx.post(url + "/v1/completions", json={}, timeout=60)
     error = extra.json()["error"]
-    assert (extra.status_code, extra.headers["retry-after"], error["type"], error["code"], "max_concurrent_requests=2" in error["message"]) == (
-        429, "1", "rate_limit_error", "too_many_requests", True,
+    is_limit_named = "max_concurrent_requests=2" in error["message"]
+    assert (extra.status_code, extra.headers["retry-after"], error["type"], error["code"], is_limit_named) == (
+        429,
+        "1",
+        "rate_limit_error",
+        "too_many_requests",
+        True,
     )
     assert (statuses, after.status_code) == ([200, 200], 200)
 

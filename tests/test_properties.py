@@ -60,13 +60,22 @@ def test_a_tiny_top_p_keeps_only_the_top_token(logits, top_p):
 
 
 text = st.text(st.characters(codec="utf-8"), max_size=40)
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}), min_size=1, max_size=4)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
+    min_size=1,
+    max_size=4,
+)
 chat_requests = st.fixed_dictionaries(
     {"model": text, "messages": messages},
     optional={
-        "max_tokens": st.integers(1, 10**6), "temperature": st.floats(0, 2), "top_p": st.floats(1e-300, 1.0),
-        "top_k": st.integers(-1, 10**6), "seed": st.integers(0, MAX_SEED), "stop": st.lists(text.filter(bool), max_size=8),
-        "stream": st.booleans(), "user": text,
+        "max_tokens": st.integers(1, 10**6),
+        "temperature": st.floats(0, 2),
+        "top_p": st.floats(1e-300, 1.0),
+        "top_k": st.integers(-1, 10**6),
+        "seed": st.integers(0, MAX_SEED),
+        "stop": st.lists(text.filter(bool), max_size=8),
+        "stream": st.booleans(),
+        "user": text,
     },
 )
 
@@ -93,8 +102,16 @@ def test_a_bool_is_not_an_integer(field):
         CompletionRequest.model_validate({"model": "m", "prompt": "hi", field: True})
 
 
-OUT_OF_BOUNDS = [("temperature", 2.0000001), ("temperature", float("inf")), ("temperature", -0.1), ("top_p", 0.0),
-                 ("top_p", 1.5), ("top_k", -2), ("seed", MAX_SEED + 1), ("seed", -1)]
+OUT_OF_BOUNDS = [
+    ("temperature", 2.0000001),
+    ("temperature", float("inf")),
+    ("temperature", -0.1),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_k", -2),
+    ("seed", MAX_SEED + 1),
+    ("seed", -1),
+]
 
 
 @pytest.mark.parametrize(("field", "value"), OUT_OF_BOUNDS)
@@ -109,8 +126,9 @@ def test_the_openai_schema_and_the_wire_refuse_the_same_sampling_values(field, v
         SamplingConfig(**{field: value})
 
 
-@pytest.mark.parametrize(("field", "value"), [("temperature", 2.0), ("temperature", 0.0), ("top_p", 1e-300),
-                                              ("top_k", -1), ("seed", MAX_SEED), ("seed", 0)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("temperature", 2.0), ("temperature", 0.0), ("top_p", 1e-300), ("top_k", -1), ("seed", MAX_SEED), ("seed", 0)]
+)
 def test_the_bounds_themselves_pass_everywhere(field, value):
     CompletionRequest.model_validate({"model": "m", "prompt": "hi", field: value})
     WireSampling.model_validate({field: value}).to_config()
@@ -118,10 +136,20 @@ def test_the_bounds_themselves_pass_everywhere(field, value):
 
 
 @settings(max_examples=100, deadline=None)
-@given(new_tokens=st.lists(st.integers(0, 10**6), max_size=20), draft=st.lists(st.integers(0, 10**6), min_size=1, max_size=8),
-       temperature=st.floats(0, MAX_TEMPERATURE), seed=st.integers(0, MAX_SEED))
+@given(
+    new_tokens=st.lists(st.integers(0, 10**6), max_size=20),
+    draft=st.lists(st.integers(0, 10**6), min_size=1, max_size=8),
+    temperature=st.floats(0, MAX_TEMPERATURE),
+    seed=st.integers(0, MAX_SEED),
+)
 def test_a_verify_request_round_trips_with_the_same_fingerprint(new_tokens, draft, temperature, seed):
-    body = {"session_id": "s", "prefix_length": 0, "prefix_digest": "", "new_tokens": new_tokens, "draft_tokens": draft,
-            "sampling": {"temperature": temperature, "seed": seed}}
+    body = {
+        "session_id": "s",
+        "prefix_length": 0,
+        "prefix_digest": "",
+        "new_tokens": new_tokens,
+        "draft_tokens": draft,
+        "sampling": {"temperature": temperature, "seed": seed},
+    }
     request = VerifyRequest.model_validate_json(json.dumps(body))
     assert VerifyRequest.model_validate_json(request.model_dump_json()).fingerprint() == request.fingerprint()

@@ -23,7 +23,7 @@ def test_every_flag_and_env_var_is_documented(settings_class):
         assert f"`{prefix}{name.upper()}`" in README, name
 
 
-@pytest.mark.parametrize("command", ["scripts/demo", "scripts/test", "scripts/setup", ".ci/run"])
+@pytest.mark.parametrize("command", ["scripts/demo", "scripts/test", "scripts/setup", "scripts/lint", ".ci/run"])
 def test_setup_commands_exist_and_are_executable(command):
     path = ROOT / command
     assert path.is_file()

@@ -18,13 +18,13 @@ from verifier_service.backends.batching import PendingCall, batched_forward, tak
 from verifier_service.backends.transformers_backend import TransformersBackend
 from verifier_support import (
     committed_after,
+    new_session_id,
     plain_forward_logits,
     random_tokens,
     running_client,
     verifier_app,
     verify,
     verify_body,
-    new_session_id,
 )
 
 GREEDY = SamplingConfig(temperature=0.0)
@@ -53,11 +53,11 @@ def _filled_cache(model, token_ids: list[int]) -> TokenCache:
 def test_batched_forward_matches_a_plain_forward_for_mixed_cached_and_new_lengths(model, vocab_size):
     rng = random.Random(0)
     cached_lengths, new_lengths = [0, 7, 20, 3], [5, 1, 9, 4]
-    contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths)]
-    entries = [_filled_cache(model, context[:c]) for context, c in zip(contexts, cached_lengths)]
-    new_ids = [context[c:] for context, c in zip(contexts, cached_lengths)]
+    contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths, strict=True)]
+    entries = [_filled_cache(model, context[:c]) for context, c in zip(contexts, cached_lengths, strict=True)]
+    new_ids = [context[c:] for context, c in zip(contexts, cached_lengths, strict=True)]
     logits = batched_forward(model, entries, new_ids, cache_argument_name(model), torch.device("cpu"))
-    for context, c, rows, entry in zip(contexts, cached_lengths, logits, entries):
+    for context, c, rows, entry in zip(contexts, cached_lengths, logits, entries, strict=True):
         assert rows.shape == (len(context) - c, vocab_size)
         torch.testing.assert_close(rows, plain_forward_logits(model, context)[c:], atol=1e-4, rtol=1e-4)
         assert entry.cache.get_seq_length() == len(context)
@@ -69,7 +69,7 @@ def test_a_cache_split_back_from_a_batch_serves_the_next_one_session_forward(mod
     entries = [TokenCache.empty(model), TokenCache.empty(model)]
     batched_forward(model, entries, contexts, cache_argument_name(model), torch.device("cpu"))
     follow_up = random_tokens(rng, 3, vocab_size)
-    for context, entry in zip(contexts, entries):
+    for context, entry in zip(contexts, entries, strict=True):
         with torch.inference_mode():
             rows = model(input_ids=torch.tensor([follow_up]), use_cache=True, **{cache_argument_name(model): entry.cache}).logits[0]
         torch.testing.assert_close(rows, plain_forward_logits(model, context + follow_up)[-3:], atol=1e-4, rtol=1e-4)
@@ -104,7 +104,7 @@ async def _verify_rounds(backend, sampling: SamplingConfig, vocab_size: int, con
             answers = await asyncio.gather(*(backend.verify_block(block) for block in blocks))
         else:
             answers = [await backend.verify_block(block) for block in blocks]
-        for block, answer in zip(blocks, answers):
+        for block, answer in zip(blocks, answers, strict=True):
             verdicts.append((answer.num_accepted, answer.next_token_id, answer.num_batched))
             emitted = block.draft_token_ids[: answer.num_accepted] + [answer.next_token_id]
             contexts[block.session_id] = block.context_token_ids + emitted

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import pytest
 from fastapi.testclient import TestClient
 
+from servers import wait_until
 from verifier_service.app import create_app
 from verifier_service.backends import create_backend
 from verifier_service.settings import VerifierSettings
-from servers import wait_until
 from verifier_support import (
     ENVELOPE_KEYS,
     MAX_CONTEXT,
@@ -160,14 +160,16 @@ BAD_OPENAI_CALLS = {
     "unknown_model_chat": (CHAT, {"model": "nope", "messages": HI}, NOT_FOUND, "model", "model_not_found"),
     "unknown_model_completion": (COMPLETIONS, {"model": "nope", "prompt": "hi"}, NOT_FOUND, "model", "model_not_found"),
     "n_2": (COMPLETIONS, {"model": "target", "prompt": "hi", "n": 2}, INVALID, "n", None),
-    "negative_temperature": (CHAT, {"model": "target", "messages": HI, "temperature": -1},
-                             INVALID, "temperature", None),
+    "negative_temperature": (CHAT, {"model": "target", "messages": HI, "temperature": -1}, INVALID, "temperature", None),
     "missing_messages": (CHAT, {"model": "target"}, INVALID, "messages", None),
     "empty_messages": (CHAT, {"model": "target", "messages": []}, INVALID, "messages", None),
     "missing_model": (COMPLETIONS, {"prompt": "hi"}, INVALID, "model", None),
     "max_tokens_over_context": (
-        COMPLETIONS, {"model": "target", "prompt": "hi", "max_tokens": MAX_CONTEXT},
-        INVALID, "max_tokens", "context_length_exceeded",
+        COMPLETIONS,
+        {"model": "target", "prompt": "hi", "max_tokens": MAX_CONTEXT},
+        INVALID,
+        "max_tokens",
+        "context_length_exceeded",
     ),
     "prompt_token_above_vocab": (COMPLETIONS, {"model": "target", "prompt": [5, 100_000]}, INVALID, "prompt", None),
     "echo": (COMPLETIONS, {"model": "target", "prompt": "hi", "echo": True}, INVALID, "echo", None),

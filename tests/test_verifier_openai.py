@@ -168,9 +168,7 @@ def spanning_stop(tokenizer, token_ids: list[int]) -> tuple[str, int]:
     raise AssertionError(f"no two-letter stop spans a token boundary in {text!r}")
 
 
-def test_completion_stops_before_a_stop_string_spanning_tokens(
-    client, tokenizer, completion_greedy_ids, completion_greedy_text
-):
+def test_completion_stops_before_a_stop_string_spanning_tokens(client, tokenizer, completion_greedy_ids, completion_greedy_text):
     stop, index = spanning_stop(tokenizer, completion_greedy_ids)
     choice = complete(client, stop=[stop]).choices[0]
     assert (choice.text, choice.finish_reason) == (completion_greedy_text[:index], "stop")
@@ -264,10 +262,13 @@ def test_stream_without_include_usage_ends_with_the_finish_chunk(client):
     assert (chunks[-1].choices[0].finish_reason, chunks[-1].usage) == ("length", None)
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/v1/chat/completions", {"messages": MESSAGES}),
-    ("/v1/completions", {"prompt": PROMPT}),
-])
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/completions", {"prompt": PROMPT}),
+    ],
+)
 def test_stream_ends_with_done(verifier_url, route, body):
     request = {"model": "target", "max_tokens": 3, "temperature": 0.0, "stream": True} | body
     with httpx.stream("POST", verifier_url + route, json=request, timeout=60) as response:
@@ -321,8 +322,14 @@ def test_models_lists_the_served_model(client, model_id):
 
 
 VERIFIER_COUNTERS = [
-    "verify_calls", "replayed_calls", "resyncs", "forward_passes",
-    "target_tokens", "drafted_tokens", "accepted_tokens", "generated_tokens",
+    "verify_calls",
+    "replayed_calls",
+    "resyncs",
+    "forward_passes",
+    "target_tokens",
+    "drafted_tokens",
+    "accepted_tokens",
+    "generated_tokens",
 ]
 
 

@@ -105,11 +105,19 @@ def test_logprobs_are_the_raw_target_log_probabilities_of_the_emitted_tokens(cli
     rng = random.Random(4)
     context = random_tokens(rng, 9, vocab_size)
     block = greedy_block(model, context, 4, 2, vocab_size, rng)
-    answer = verify(client, verify_body(new_session_id(), [], block, new_tokens=context))
+    answer = verify(client, verify_body(new_session_id(), [], block, new_tokens=context) | {"num_top_logprobs": 0})
     emitted = block[:2] + [answer["next_token"]]
     log_probs = plain_forward_logits(model, context + block)[len(context) - 1 :].log_softmax(dim=-1)
     expected = [float(log_probs[row, token]) for row, token in enumerate(emitted)]
     assert answer["logprobs"] == pytest.approx(expected, abs=1e-4)
+    assert answer["top_logprobs"] == [{"token_ids": [], "logprobs": []}] * 3
+
+
+def test_a_call_that_does_not_ask_gets_no_logprobs(client, model, vocab_size):
+    rng = random.Random(4)
+    context = random_tokens(rng, 9, vocab_size)
+    answer = verify(client, verify_body(new_session_id(), [], greedy_block(model, context, 4, 2, vocab_size, rng), new_tokens=context))
+    assert (answer["logprobs"], answer["top_logprobs"]) == ([], None)
 
 
 def test_context_length_counts_context_accepted_and_next(client, model, vocab_size):

@@ -40,9 +40,7 @@ def reference_verdict(model, context: list[int], block: list[int]) -> tuple[int,
     return num_accepted, argmax[num_accepted]
 
 
-def greedy_continuation(
-    model, context: list[int], num_tokens: int, stop_ids: frozenset[int] = frozenset()
-) -> list[int]:
+def greedy_continuation(model, context: list[int], num_tokens: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
     """The target's own greedy tokens after ``context`` (one plain forward per token), ending
     after the first of ``stop_ids``."""
     tokens: list[int] = []
@@ -162,9 +160,7 @@ def open_session(client, context: list[int], block: list[int]) -> Session:
     return Session(session_id, committed_after(context, block, answer))
 
 
-def greedy_block(
-    model, context: list[int], length: int, corrupt_at: int, vocab_size: int, rng: random.Random
-) -> list[int]:
+def greedy_block(model, context: list[int], length: int, corrupt_at: int, vocab_size: int, rng: random.Random) -> list[int]:
     """The target's greedy continuation of ``context``, one token corrupted at ``corrupt_at``
     (none when corrupt_at == length): exactly ``corrupt_at`` tokens are accepted."""
     return corrupted(greedy_continuation(model, context, length), corrupt_at, vocab_size, rng)

@@ -93,22 +93,38 @@ def _add_verifier_routes(app: FastAPI) -> None:
     async def delete_session(session_id: str, request: Request) -> SessionDeleted:
         return current_service(request).end_session(session_id)
 
-    @app.get("/health", response_model=VerifierHealth, responses={503: {"model": VerifierHealth, "description": "Still loading the model."}})
+    @app.get(
+        "/health",
+        response_model=VerifierHealth,
+        responses={503: {"model": VerifierHealth, "description": "Still loading the model."}},
+    )
     async def health(request: Request) -> JSONResponse:
         service: VerifierService | None = request.app.state.service
         settings: VerifierSettings = request.app.state.settings
         if service is None:
             body = VerifierHealth(
-                status="loading", model=settings.served_model_name or settings.model, vocab_size=0,
-                tokenizer_fingerprint="", max_context_length=0, max_draft_tokens=settings.max_draft_tokens,
-                max_draft_support=settings.max_draft_support, eos_token_ids=[], backend=settings.backend,
+                status="loading",
+                model=settings.served_model_name or settings.model,
+                vocab_size=0,
+                tokenizer_fingerprint="",
+                max_context_length=0,
+                max_draft_tokens=settings.max_draft_tokens,
+                max_draft_support=settings.max_draft_support,
+                eos_token_ids=[],
+                backend=settings.backend,
             )
             return JSONResponse(body.model_dump(), status_code=503)
         info = service.backend.info
         body = VerifierHealth(
-            status="ok", model=service.backend.model_id, vocab_size=info.vocab_size,
-            tokenizer_fingerprint=info.tokenizer_fingerprint, max_context_length=info.max_context_length,
-            max_draft_tokens=service.limits.max_draft_tokens, max_draft_support=service.limits.max_draft_support,
-            eos_token_ids=sorted(info.eos_token_ids), backend=service.backend.name,
+            status="ok",
+            model=service.backend.model_id,
+            vocab_size=info.vocab_size,
+            tokenizer_fingerprint=info.tokenizer_fingerprint,
+            max_context_length=info.max_context_length,
+            max_draft_tokens=service.limits.max_draft_tokens,
+            max_draft_support=service.limits.max_draft_support,
+            eos_token_ids=sorted(info.eos_token_ids),
+            backend=service.backend.name,
+            logprobs_support=service.backend.logprobs_support,
         )
         return JSONResponse(body.model_dump())

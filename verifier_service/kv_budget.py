@@ -40,7 +40,7 @@ class KvBudget:
         return self.max_bytes // self.bytes_per_token
 
     @classmethod
-    def for_model(cls, bytes_per_token: int, max_context_length: int, max_bytes: int | None) -> "KvBudget":
+    def for_model(cls, bytes_per_token: int, max_context_length: int, max_bytes: int | None) -> KvBudget:
         """``max_bytes`` as configured, else 4 GiB or one full context, whichever is larger. A
         configured budget must hold one full context (else the longest request could never run)."""
         full_context = bytes_per_token * max_context_length

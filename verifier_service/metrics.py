@@ -16,21 +16,54 @@ class VerifierMetrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory
         self.verify_calls = Counter("spade_verifier_verify_calls", "Verify calls answered", registry=self.registry)
         self.replayed_calls = Counter("spade_verifier_replayed_calls", "Retried verify calls answered from memory", registry=self.registry)
-        self.resyncs = Counter("spade_verifier_resyncs", "Verify calls refused with 409 (session unknown or diverged)", registry=self.registry)
-        self.forward_passes = Counter("spade_verifier_forward_passes", "Target forward passes (verify calls and target-only steps)", registry=self.registry)
+        self.resyncs = Counter(
+            "spade_verifier_resyncs",
+            "Verify calls refused with 409 (session unknown or diverged)",
+            registry=self.registry,
+        )
+        self.forward_passes = Counter(
+            "spade_verifier_forward_passes",
+            "Target forward passes (verify calls and target-only steps)",
+            registry=self.registry,
+        )
         self.target_tokens = Counter("spade_verifier_target_tokens", "Tokens through the target's forward passes", registry=self.registry)
         self.drafted_tokens = Counter("spade_verifier_drafted_tokens", "Drafted tokens received", registry=self.registry)
         self.accepted_tokens = Counter("spade_verifier_accepted_tokens", "Drafted tokens accepted", registry=self.registry)
-        self.generated_tokens = Counter("spade_verifier_generated_tokens", "Tokens the target committed (accepted + next), counted before the edge trims a final block at an end-of-sequence token or max_tokens: can exceed the edges' spade_edge_generated_tokens (target-only requests count here too)", registry=self.registry)
-        self.forward_seconds = Histogram("spade_verifier_forward_seconds", "Forward pass + acceptance per call", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queue_seconds = Histogram("spade_verifier_queue_seconds", "Wait for the target per call", buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.batch_sessions = Histogram("spade_verifier_batch_sessions", "Sessions sharing each call's forward (batched verification)", buckets=BATCH_BUCKETS, registry=self.registry)
+        self.generated_tokens = Counter(
+            "spade_verifier_generated_tokens",
+            (
+                "Tokens the target committed (accepted + next), counted before the edge trims a final block "
+                "at an end-of-sequence token or max_tokens: can exceed the edges' spade_edge_generated_tokens"
+                " (target-only requests count here too)"
+            ),
+            registry=self.registry,
+        )
+        self.forward_seconds = Histogram(
+            "spade_verifier_forward_seconds",
+            "Forward pass + acceptance per call",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_seconds = Histogram(
+            "spade_verifier_queue_seconds",
+            "Wait for the target per call",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_sessions = Histogram(
+            "spade_verifier_batch_sessions",
+            "Sessions sharing each call's forward (batched verification)",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
         self.forward_seconds_by_block = Histogram(
             "spade_verifier_forward_seconds_by_block",
             "The model call alone per forward, by drafted tokens (0 = a target-only step; 17+ pooled; "
             "'prefill' = calls that also fed uncached context): the curve t_verify(d)",
-            ["num_drafted"], buckets=LATENCY_BUCKETS, registry=self.registry,
+            ["num_drafted"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
 
     def observe_forward(self, verdict: BlockVerdict, num_drafted: int = 0) -> None:

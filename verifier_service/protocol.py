@@ -21,16 +21,23 @@ Example, context c0..c9 committed, the verifier already holds all ten:
      "draft_tokens": [d0, d1, d2], "draft_probs": null, "sampling": {"temperature": 0, ...}}
     -> {"num_accepted": 2, "next_token": t, "context_length": 13, ...}
     the committed context is now c0..c9 d0 d1 t (length 13).
+
+Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
+token and, in ``top_logprobs``, its N most likely alternatives, all the target's
+(``spade_core.sampling.reported_logprobs``). Without it (the default, and all an older edge
+sends) nothing is computed, ``logprobs`` is [] and ``top_logprobs`` null. ``VerifierHealth
+.logprobs_support`` says which calls may ask ("none" from a verifier older than the field).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gateway.protocol import Seed, Temperature, TopK, TopP, UnicodeChecked
+from gateway.engine import LogprobsSupport
+from gateway.protocol import MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import SamplingConfig
 
 SESSION_RESYNC_CODE = "session_resync_required"
@@ -57,7 +64,7 @@ class WireSampling(BaseModel):
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     @classmethod
-    def from_config(cls, config: SamplingConfig) -> "WireSampling":
+    def from_config(cls, config: SamplingConfig) -> WireSampling:
         return cls(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=config.seed)
 
 
@@ -70,7 +77,7 @@ class SparseDistribution(BaseModel):
     probs: list[float] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _same_length(self) -> "SparseDistribution":
+    def _same_length(self) -> SparseDistribution:
         if len(self.token_ids) != len(self.probs):
             raise ValueError("token_ids and probs must have the same length")
         if len(set(self.token_ids)) != len(self.token_ids):
@@ -89,7 +96,13 @@ class VerifyRequest(UnicodeChecked):
     draft_probs: list[SparseDistribution] | None = Field(
         None, description="Per drafted token, the distribution it was sampled from; null = greedy draft."
     )
-    sampling: WireSampling = Field(default_factory=WireSampling)
+    sampling: WireSampling = Field(default_factory=lambda: WireSampling())
+    num_top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="null (default): no logprobs. N: each emitted token's logprob and its N most likely alternatives.",
+    )
 
     def fingerprint(self) -> str:
         return hashlib.blake2b(self.model_dump_json().encode(), digest_size=16).hexdigest()
@@ -100,9 +113,23 @@ class VerifyTimings(BaseModel):
     forward_ms: float = Field(description="The target's forward pass and the acceptance math.")
     total_ms: float = Field(description="From receiving the call to answering it.")
     model_ms: float | None = Field(
-        None, description="The target's forward alone (the model call over num_target_tokens tokens), without the "
-        "acceptance math; null where the backend does not measure it."
+        None,
+        description="The target's forward alone (the model call over num_target_tokens tokens), without the "
+        "acceptance math; null where the backend does not measure it.",
     )
+
+
+class TopLogprobs(BaseModel):
+    """One emitted token's most likely alternatives, most likely first."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @model_validator(mode="after")
+    def _same_length(self) -> TopLogprobs:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError("token_ids and logprobs must have the same length")
+        return self
 
 
 class VerifyResponse(BaseModel):
@@ -111,12 +138,17 @@ class VerifyResponse(BaseModel):
     next_token: int = Field(description="The correction (after a rejection) or the bonus token.")
     next_token_kind: Literal["correction", "bonus"]
     logprobs: list[float] = Field(
-        description="The target's raw log-probability of each emitted token: accepted drafts, then next."
+        default_factory=list,
+        description="With num_top_logprobs: the target's log-probability of each emitted token (accepted drafts, "
+        "then next; spade_core.sampling.reported_logprobs). Otherwise empty.",
+    )
+    top_logprobs: list[TopLogprobs] | None = Field(
+        default=None, description="With num_top_logprobs: per emitted token, its most likely alternatives. Otherwise null."
     )
     context_length: int = Field(description="Committed length after this call (context + accepted + next).")
     num_target_tokens: int = Field(description="Tokens in the target's forward pass for this call.")
     timings: VerifyTimings
-    replayed: bool = Field(False, description="True when this answers a retried call from memory.")
+    replayed: bool = Field(default=False, description="True when this answers a retried call from memory.")
 
 
 class SessionDeleted(BaseModel):
@@ -134,3 +166,8 @@ class VerifierHealth(BaseModel):
     max_draft_support: int
     eos_token_ids: list[int]
     backend: str
+    logprobs_support: LogprobsSupport = Field(
+        default="none",
+        description=f"Which verify calls may ask for logprobs, one of {get_args(LogprobsSupport)}: all, greedy "
+        "ones only (vLLM backend, sample_match route), none (a verifier older than this field).",
+    )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.engine import check_logprobs_support
 from gateway.errors import InvalidRequestError, SessionConflictError
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
@@ -17,6 +18,7 @@ from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
     SessionDeleted,
     SparseDistribution,
+    TopLogprobs,
     VerifyRequest,
     VerifyResponse,
     VerifyTimings,
@@ -56,7 +58,9 @@ class VerifierService:
                 return session.last_response.model_copy(update={"replayed": True})
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
-            block = BlockToVerify(request.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config())
+            block = BlockToVerify(
+                request.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs
+            )
             self._release(self.sessions.reserve(session, len(context) + len(request.draft_tokens)))
             try:
                 verdict = await self.backend.verify_block(block)
@@ -89,6 +93,8 @@ class VerifierService:
         if request.prefix_length == 0 and not request.new_tokens:
             raise InvalidRequestError("a call with prefix_length 0 must send the context in new_tokens", param="new_tokens")
         self.validate_length(request.prefix_length + len(request.new_tokens), num_drafted)
+        if request.num_top_logprobs is not None:
+            check_logprobs_support(self.backend.logprobs_support, request.sampling.to_config(), param="num_top_logprobs")
         if request.draft_probs is None:
             return None
         if len(request.draft_probs) != num_drafted:
@@ -116,7 +122,7 @@ class VerifierService:
 
     def _dense_draft_probs(self, rows: list[SparseDistribution], draft_tokens: list[int]) -> torch.Tensor:
         dense = torch.zeros(len(rows), self.backend.info.vocab_size, dtype=torch.float32)
-        for index, (row, drafted) in enumerate(zip(rows, draft_tokens)):
+        for index, (row, drafted) in enumerate(zip(rows, draft_tokens, strict=True)):
             param = f"draft_probs.{index}"
             if len(row.token_ids) > self.limits.max_draft_support:
                 raise InvalidRequestError(f"at most {self.limits.max_draft_support} tokens per distribution", param=param)
@@ -126,7 +132,7 @@ class VerifierService:
             total = math.fsum(row.probs)
             if abs(total - 1.0) > PROB_SUM_TOLERANCE:
                 raise InvalidRequestError(f"probabilities sum to {total:.6f}, not 1", param=param)
-            support = dict(zip(row.token_ids, row.probs))
+            support = dict(zip(row.token_ids, row.probs, strict=True))
             if support.get(drafted, 0.0) <= 0:
                 raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
             dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / total
@@ -162,7 +168,14 @@ class VerifierService:
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token_id,
             next_token_kind="bonus" if verdict.is_bonus else "correction",
-            logprobs=verdict.logprobs,
+            # [] when not asked: what an edge from before num_top_logprobs requires
+            logprobs=verdict.logprobs or [],
+            top_logprobs=None
+            if verdict.top_logprobs is None
+            else [
+                TopLogprobs(token_ids=[token_id for token_id, _ in top], logprobs=[logprob for _, logprob in top])
+                for top in verdict.top_logprobs
+            ],
             context_length=context_length + verdict.num_accepted + 1,
             num_target_tokens=verdict.num_target_tokens,
             timings=VerifyTimings(

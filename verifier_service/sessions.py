@@ -101,7 +101,8 @@ class SessionRegistry:
             raise OverloadedError(
                 f"the KV cache budget ({self.kv_budget.max_bytes} bytes, max_kv_cache_bytes) is held by calls in "
                 f"flight; this call needs {num_tokens * self.kv_budget.bytes_per_token} bytes: retry shortly",
-                code="kv_cache_full", retry_after_s=1,
+                code="kv_cache_full",
+                retry_after_s=1,
             )
         session.reserved_tokens = num_tokens
         return evicted

@@ -32,14 +32,53 @@ class VerifierSettings(ServiceSettings):
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
     max_session_tokens: int = Field(2_000_000, ge=1, description="Committed tokens kept over all sessions.")
     session_ttl_s: float = Field(600.0, gt=0, description="Idle seconds before a session is dropped.")
-    max_kv_cache_bytes: int | None = Field(None, ge=1, description="--backend transformers: bytes all sessions' KV caches may hold (idle sessions are evicted first, then calls get 429); default: 4 GiB or one full context, whichever is larger.")
-    max_batch_sessions: int = Field(8, ge=1, description="--backend transformers: most sessions whose verify calls (or target-only steps) share one forward; 1 = one call at a time.")
-    batch_wait_ms: float = Field(2.0, ge=0, description="--backend transformers, --max-batch-sessions > 1: longest wait for more sessions before a batch runs while the target is idle.")
-    fast_kernels: bool = Field(True, description="--backend transformers, CPU, float32: linear layers through the verifier's own kernel (reads each weight once for the whole block) and attention without per-head KV copies, for the verify and target-only routes alike; --no-fast-kernels runs stock transformers.")
-    batch_invariant: bool = Field(False, description="--backend transformers, CPU, float32: each row's logits independent of how many rows share the forward (the same kernel, attention row by row), so greedy SPADE output equals target-only by construction; a little slower per block. Implies the CPU kernels.")
+    max_kv_cache_bytes: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "--backend transformers: bytes all sessions' KV caches may hold (idle sessions are evicted first,"
+            " then calls get 429); default: 4 GiB or one full context, whichever is larger."
+        ),
+    )
+    max_batch_sessions: int = Field(
+        8,
+        ge=1,
+        description=(
+            "--backend transformers: most sessions whose verify calls (or target-only steps) share one forward; 1 = one call at a time."
+        ),
+    )
+    batch_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "--backend transformers, --max-batch-sessions > 1: longest wait for more sessions before a batch runs while the target is idle."
+        ),
+    )
+    fast_kernels: bool = Field(
+        True,
+        description=(
+            "--backend transformers, CPU, float32: linear layers through the verifier's own kernel (reads "
+            "each weight once for the whole block) and attention without per-head KV copies, for the verify "
+            "and target-only routes alike; --no-fast-kernels runs stock transformers."
+        ),
+    )
+    batch_invariant: bool = Field(
+        False,
+        description=(
+            "--backend transformers, CPU, float32: each row's logits independent of how many rows share the "
+            "forward (the same kernel, attention row by row), so greedy SPADE output equals target-only by "
+            "construction; a little slower per block. Implies the CPU kernels."
+        ),
+    )
     vllm_block_size: int = Field(32, ge=1, description="--backend vllm: KV block size (CPU attention needs a multiple of 32).")
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="--backend vllm: KV cache size in GiB (must hold the model's context length).")
-    vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field("sample_match", description="--backend vllm, temperature > 0: vLLM samples each position and drafts are matched (sample_match), or full-vocabulary logprobs feed the acceptance rule (full_logprobs, heavy).")
+    vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field(
+        "sample_match",
+        description=(
+            "--backend vllm, temperature > 0: vLLM samples each position and drafts are matched "
+            "(sample_match), or full-vocabulary logprobs feed the acceptance rule (full_logprobs, heavy)."
+        ),
+    )
 
     def session_limits(self) -> SessionLimits:
         from verifier_service.sessions import SessionLimits

@@ -8,9 +8,9 @@ output must therefore equal this output token for token.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
-from gateway.engine import GeneratedTokens, GenerationRequest
+from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport
 from gateway.protocol import SpadeStats
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
@@ -41,19 +41,23 @@ class TargetOnlyEngine:
     def vocab_size(self) -> int:
         return self._backend.info.vocab_size
 
-    async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
+    @property
+    def logprobs_support(self) -> LogprobsSupport:
+        return self._backend.logprobs_support
+
+    async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         session_id = f"local-{request.request_id}"
         context = list(request.prompt_token_ids)
         try:
             for _ in range(request.max_tokens):
-                block = BlockToVerify(session_id, context, [], None, request.sampling)
+                block = BlockToVerify(session_id, context, [], None, request.sampling, request.num_top_logprobs)
                 verdict = await self._backend.verify_block(block)
                 self._metrics.observe_forward(verdict)
                 stats.verify_calls += 1
                 stats.target_tokens += verdict.num_target_tokens
                 stats.verifier_forward_ms += verdict.forward_s * 1e3
                 context.append(verdict.next_token_id)
-                yield GeneratedTokens([verdict.next_token_id], verdict.logprobs)
+                yield GeneratedTokens([verdict.next_token_id], verdict.logprobs, verdict.top_logprobs)
                 if verdict.next_token_id in request.eos_token_ids:
                     return
         finally:

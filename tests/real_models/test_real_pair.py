@@ -95,8 +95,10 @@ def test_greedy_fp32_edge_output_equals_target_only_and_uses_few_verify_calls(re
         if _answer(speculative) != _answer(target_only[prompt]):
             mismatches.append(prompt)
         tokens_per_call.append(speculative.usage.completion_tokens / stats["verify_calls"])
-        print(f"{prompt[:50]!r}: {speculative.usage.completion_tokens} tokens, {stats['verify_calls']} verify calls, "
-              f"accepted {stats['accepted_tokens']}/{stats['drafted_tokens']}")
+        print(
+            f"{prompt[:50]!r}: {speculative.usage.completion_tokens} tokens, {stats['verify_calls']} verify calls, "
+            f"accepted {stats['accepted_tokens']}/{stats['drafted_tokens']}"
+        )
     mean_tokens_per_call = statistics.mean(tokens_per_call)
     print(f"mean tokens per verify call at draft length {DRAFT_LENGTH}: {mean_tokens_per_call:.2f}")
     assert mismatches == []
@@ -127,13 +129,21 @@ def test_bf16_agreement_with_fp32_target_is_reported(verifier_url, target_only):
 def test_greedy_output_with_the_llama_cpp_draft_equals_target_only(verifier_url, target_only, draft_length):
     """The 0.5B's Q4_K_M GGUF drafts in llama.cpp (one thread); the verifier is the fp32 1.5B.
     Drafts differ from the fp32 0.5B's at near-ties, which costs acceptance, never exactness."""
-    edge_settings = EdgeSettings(draft_model=DRAFT, verifier_url=verifier_url, draft_length=draft_length, draft_backend="llamacpp", threads=1)
+    edge_settings = EdgeSettings(
+        draft_model=DRAFT,
+        verifier_url=verifier_url,
+        draft_length=draft_length,
+        draft_backend="llamacpp",
+        threads=1,
+    )
     with serve(create_edge_app(edge_settings), timeout_s=900) as edge_url:
         assert httpx.get(edge_url + "/health", timeout=10).json()["draft_backend"] == "llamacpp"
         prompts = PROMPTS[:4]
         answers = {prompt: _chat(edge_url, prompt) for prompt in prompts}
     for prompt, answer in answers.items():
         stats = answer.model_extra["spade"]
-        print(f"llama.cpp draft, length {draft_length}, {prompt[:40]!r}: {answer.usage.completion_tokens} tokens, "
-              f"{stats['verify_calls']} verify calls, accepted {stats['accepted_tokens']}/{stats['drafted_tokens']}")
+        print(
+            f"llama.cpp draft, length {draft_length}, {prompt[:40]!r}: {answer.usage.completion_tokens} tokens, "
+            f"{stats['verify_calls']} verify calls, accepted {stats['accepted_tokens']}/{stats['drafted_tokens']}"
+        )
     assert {prompt: _answer(answer) for prompt, answer in answers.items()} == {prompt: _answer(target_only[prompt]) for prompt in prompts}

@@ -49,9 +49,7 @@ async def vllm_backend(vllm_pair):
     """One engine for the session (about 20-30 s to start on 2 cores), sample_match route."""
     from verifier_service.backends.vllm_backend import create_vllm_backend
 
-    backend = await create_vllm_backend(
-        ModelSource(str(vllm_pair.target_dir)), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.5
-    )
+    backend = await create_vllm_backend(ModelSource(str(vllm_pair.target_dir)), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.5)
     yield backend
     await backend.aclose()
 

@@ -60,7 +60,7 @@ def block_with_mismatch(rng: random.Random, continuation: list[int], num_accepte
 
 
 def emitted_raw_logprobs(logits: torch.Tensor, first_row: int, emitted: list[int]) -> list[float]:
-    rows = torch.log_softmax(logits[first_row: first_row + len(emitted)], dim=-1)
+    rows = torch.log_softmax(logits[first_row : first_row + len(emitted)], dim=-1)
     return [float(rows[index, token]) for index, token in enumerate(emitted)]
 
 
@@ -82,10 +82,10 @@ async def test_greedy_matches_vllm_generate_and_transformers(vllm_backend, targe
         context = random_tokens(rng, length, vocab_size)
         continuation = await vllm_greedy(vllm_backend, context, num_drafted + 1)
         logits = target_logits(context + continuation[:num_drafted])
-        assert logits[length - 1:].argmax(dim=-1).tolist() == continuation, "vLLM and transformers disagree"
+        assert logits[length - 1 :].argmax(dim=-1).tolist() == continuation, "vLLM and transformers disagree"
         num_accepted = num_drafted if case % 3 == 0 else rng.randint(0, num_drafted)
         block = block_with_mismatch(rng, continuation, num_accepted, vocab_size)
-        request = BlockToVerify(f"greedy-{num_drafted}-{case}", context, block, None, GREEDY)
+        request = BlockToVerify(f"greedy-{num_drafted}-{case}", context, block, None, GREEDY, num_top_logprobs=0)
         verdict = await vllm_backend.verify_block(request)
         assert (verdict.num_accepted, verdict.next_token_id) == (num_accepted, continuation[num_accepted])
         assert verdict.is_bonus == (num_accepted == num_drafted)
@@ -94,20 +94,19 @@ async def test_greedy_matches_vllm_generate_and_transformers(vllm_backend, targe
         assert verdict.logprobs == pytest.approx(reference, abs=1e-3)
         # Again: now the drafted tokens' blocks may be cached, so some prompt rows are stale.
         again = await vllm_backend.verify_block(request)
-        assert (again.num_accepted, again.next_token_id, again.logprobs) == (
-            verdict.num_accepted, verdict.next_token_id, verdict.logprobs)
+        assert (again.num_accepted, again.next_token_id, again.logprobs) == (verdict.num_accepted, verdict.next_token_id, verdict.logprobs)
 
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_empty_block_is_one_target_step(vllm_backend, route):
     context = random_tokens(random.Random(5), 40, vllm_backend.info.vocab_size)
     (expected,) = await vllm_greedy(vllm_backend, context, 1)
-    verdict = await vllm_backend.with_route(route).verify_block(BlockToVerify("empty", context, [], None, GREEDY))
+    verdict = await vllm_backend.with_route(route).verify_block(BlockToVerify("empty", context, [], None, GREEDY, num_top_logprobs=0))
     assert (verdict.num_accepted, verdict.next_token_id, verdict.is_bonus) == (0, expected, True)
     assert len(verdict.logprobs) == 1
     sampled = BlockToVerify("empty", context, [], None, SamplingConfig(**SAMPLED, seed=4))
     verdict = await vllm_backend.with_route(route).verify_block(sampled)
-    assert (verdict.num_accepted, verdict.is_bonus, len(verdict.logprobs)) == (0, True, 1)
+    assert (verdict.num_accepted, verdict.is_bonus, verdict.logprobs) == (0, True, None)  # not asked
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -173,21 +172,24 @@ async def edge_greedy_loop(backend, draft_model, session_id: str, prompt: list[i
     while len(context) < len(prompt) + num_new:
         with torch.inference_mode():
             drafted = draft_model.model.generate(
-                torch.tensor([context]), max_new_tokens=num_drafted, do_sample=False,
+                torch.tensor([context]),
+                max_new_tokens=num_drafted,
+                do_sample=False,
                 attention_mask=torch.ones(1, len(context), dtype=torch.long),
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(context):].tolist()
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(context) :].tolist()
         verdict = await backend.verify_block(BlockToVerify(session_id, context, drafted, None, GREEDY))
         context += drafted[: verdict.num_accepted] + [verdict.next_token_id]
-    return context[len(prompt): len(prompt) + num_new]
+    return context[len(prompt) : len(prompt) + num_new]
 
 
 async def test_eight_concurrent_sessions_reproduce_vllm_greedy(vllm_backend, hf_draft):
     rng = random.Random(21)
     prompts = [random_tokens(rng, rng.randint(8, 80), vllm_backend.info.vocab_size) for _ in range(8)]
-    outputs = await asyncio.gather(*[
-        edge_greedy_loop(vllm_backend, hf_draft, f"edge-{index}", prompt, 24, 4) for index, prompt in enumerate(prompts)
-    ])
+    outputs = await asyncio.gather(
+        *[edge_greedy_loop(vllm_backend, hf_draft, f"edge-{index}", prompt, 24, 4) for index, prompt in enumerate(prompts)]
+    )
     expected = await asyncio.gather(*[vllm_greedy(vllm_backend, prompt, 24) for prompt in prompts])
     assert outputs == expected
 

@@ -27,6 +27,7 @@ from verifier_support import (
     corrupted,
     error_of,
     greedy_continuation,
+    plain_forward_logits,
     post_verify,
     random_tokens,
     reference_verdict,
@@ -77,7 +78,7 @@ def test_greedy_calls_match_a_plain_forward(client, model, vocab_size, corrupt_a
     held: list[int] = []
     for _ in range(3):  # a fresh call, then follow-ups through the session
         block = corrupted(greedy_continuation(model, context, 4), corrupt_at, vocab_size, rng)
-        answer = verify(client, verify_body(session_id, held, block, new_tokens=context[len(held):]))
+        answer = verify(client, verify_body(session_id, held, block, new_tokens=context[len(held) :]))
         assert (answer["num_accepted"], answer["next_token"]) == reference_verdict(model, context, block)
         context = held = committed_after(context, block, answer)
 
@@ -99,12 +100,32 @@ def test_bad_verify_call_is_refused_like_the_transformers_backend(client, vocab_
     assert error_of(response) == (400, ENVELOPE_KEYS, "invalid_request_error", bad.param, bad.code)
 
 
+def test_logprobs_are_served_greedy_only_on_the_sample_match_route(client, verifier_url, model, vocab_size):
+    """The default route (sample_match) reports logprobs at temperature 0 and refuses them
+    above, on the wire and on the OpenAI routes (400 before any stream starts)."""
+    assert client.get("/health").json()["logprobs_support"] == "greedy"
+    context = random_tokens(random.Random(5), 12, vocab_size)
+    body = verify_body("svc-logprobs", [], [5, 6], new_tokens=context) | {"num_top_logprobs": 2}
+    refused = post_verify(client, body | {"sampling": {"temperature": 0.9, "seed": 1}})
+    assert error_of(refused) == (400, ENVELOPE_KEYS, "invalid_request_error", "num_top_logprobs", "logprobs_unsupported")
+    answer = verify(client, body)
+    emitted = [5, 6][: answer["num_accepted"]] + [answer["next_token"]]
+    rows = plain_forward_logits(model, context + [5, 6])[len(context) - 1 :].log_softmax(dim=-1)
+    assert answer["logprobs"] == pytest.approx([float(rows[index, token]) for index, token in enumerate(emitted)], abs=1e-3)
+    assert [top["token_ids"] for top in answer["top_logprobs"]] == [rows[index].topk(2).indices.tolist() for index in range(len(emitted))]
+    chat = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True}
+    for stream in (False, True):
+        response = httpx.post(verifier_url + "/v1/chat/completions", json=chat | {"temperature": 0.7, "stream": stream}, timeout=60)
+        assert (response.status_code, response.json()["error"]["param"]) == (400, "logprobs")
+    greedy = httpx.post(verifier_url + "/v1/chat/completions", json=chat | {"temperature": 0}, timeout=60)
+    assert greedy.status_code == 200 and len(greedy.json()["choices"][0]["logprobs"]["content"]) >= 1
+
+
 async def vllm_greedy_text(backend, tokenizer, prompt: str) -> str:
     """vLLM's own greedy generation of ``prompt`` (stopping at EOS), decoded."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, detokenize=False,
-                            stop_token_ids=sorted(backend.info.eos_token_ids))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, detokenize=False, stop_token_ids=sorted(backend.info.eos_token_ids))
     output = await backend.generate_tokens(tokenizer(prompt)["input_ids"], params)
     return tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
 

@@ -13,13 +13,14 @@ if TYPE_CHECKING:
 __all__ = ["BlockToVerify", "BlockVerdict", "ModelInfo", "VerifierBackend", "create_backend"]
 
 
-async def create_backend(settings: "VerifierSettings") -> VerifierBackend:
+async def create_backend(settings: VerifierSettings) -> VerifierBackend:
     """Load the target model with the configured backend (off the event loop)."""
     from spade_models.loader import ModelSource
 
     source = ModelSource(settings.model, settings.gguf_file)
     if settings.batch_invariant and settings.backend != "transformers":
         raise ValueError("--batch-invariant is a mode of --backend transformers")
+    backend: VerifierBackend
     if settings.backend == "vllm":
         from verifier_service.backends.vllm_backend import create_vllm_backend
 
@@ -38,11 +39,16 @@ async def create_backend(settings: "VerifierSettings") -> VerifierBackend:
 
         loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
         # In a thread too: the CPU kernels may be compiled here (about a second, once per machine).
-        backend = await asyncio.to_thread(
-            TransformersBackend, loaded, settings.max_context_length,
-            fast_kernels=settings.fast_kernels, batch_invariant=settings.batch_invariant,
+        transformers_backend = await asyncio.to_thread(
+            TransformersBackend,
+            loaded,
+            settings.max_context_length,
+            fast_kernels=settings.fast_kernels,
+            batch_invariant=settings.batch_invariant,
         )
         # A row's logits may not depend on other sessions' rows either: one session per forward.
-        backend.enable_batching(1 if settings.batch_invariant else settings.max_batch_sessions, settings.batch_wait_ms / 1000.0)
+        max_batch_sessions = 1 if settings.batch_invariant else settings.max_batch_sessions
+        transformers_backend.enable_batching(max_batch_sessions, settings.batch_wait_ms / 1000.0)
+        backend = transformers_backend
     backend.served_model_name = settings.served_model_name
     return backend

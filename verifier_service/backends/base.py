@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gateway.engine import LogprobsSupport, TopLogprobs
 from spade_core.params import SamplingConfig
 
 
@@ -44,6 +45,9 @@ class BlockToVerify:
     """[num_drafted, vocab] float32, each row the distribution the drafted token was sampled
     from (after the edge's transform and top-N truncation); None = greedy draft (one-hot)."""
     sampling: SamplingConfig
+    num_top_logprobs: int | None = None
+    """None: no logprobs wanted (none computed); N: the emitted tokens' logprobs
+    (``spade_core.sampling.reported_logprobs``) and N alternatives each."""
 
     @property
     def num_drafted(self) -> int:
@@ -61,9 +65,10 @@ class BlockVerdict:
     next_token_id: int
     is_bonus: bool
     """True when all drafted tokens were accepted and next_token_id is the bonus token."""
-    logprobs: list[float]
-    """Raw target log-probabilities of the emitted tokens (accepted drafts then next), length
-    num_accepted + 1."""
+    logprobs: list[float] | None
+    """With ``num_top_logprobs``: the target's log-probabilities of the emitted tokens (accepted
+    drafts then next, ``spade_core.sampling.reported_logprobs``), length num_accepted + 1;
+    otherwise None."""
     num_target_tokens: int
     """Tokens that went through the target's forward pass for this block."""
     queue_s: float
@@ -72,6 +77,8 @@ class BlockVerdict:
     """Sessions whose calls shared this forward (1 = verified alone)."""
     model_s: float | None = None
     """The model call alone (forward_s less the acceptance math); None where not measured."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """With ``num_top_logprobs``: per emitted token, that many most likely alternatives."""
 
 
 class VerifierBackend(abc.ABC):
@@ -89,6 +96,11 @@ class VerifierBackend(abc.ABC):
     def model_id(self) -> str:
         return self.served_model_name or self.info.model_id
 
+    @property
+    def logprobs_support(self) -> LogprobsSupport:
+        """Which blocks may ask for logprobs (``num_top_logprobs``)."""
+        return "all"
+
     @abc.abstractmethod
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         """Score the block with one forward pass and apply the acceptance rule."""
@@ -97,5 +109,5 @@ class VerifierBackend(abc.ABC):
     def release_session(self, session_id: str) -> None:
         """Drop whatever the backend caches for the session (idempotent)."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 -- optional: a backend holding nothing to free keeps this
         """Free the model and worker threads."""

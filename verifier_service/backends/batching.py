@@ -75,8 +75,9 @@ def take_batch(queue: list[PendingCall], max_batch_sessions: int) -> list[Pendin
 class BatchGatherer:
     """Gathers pending calls into batches and runs them one at a time on ``executor``."""
 
-    def __init__(self, run_batch: Callable[[list[PendingCall]], list[BlockVerdict]], executor: Executor,
-                 max_batch_sessions: int, batch_wait_s: float) -> None:
+    def __init__(
+        self, run_batch: Callable[[list[PendingCall]], list[BlockVerdict]], executor: Executor, max_batch_sessions: int, batch_wait_s: float
+    ) -> None:
         if max_batch_sessions < 1 or batch_wait_s < 0:
             raise ValueError("max_batch_sessions must be >= 1 and batch_wait_s >= 0")
         self._run_batch = run_batch
@@ -115,7 +116,7 @@ class BatchGatherer:
                 for call in batch:
                     _settle(call.future, error=error)
                 continue
-            for call, verdict in zip(batch, verdicts):
+            for call, verdict in zip(batch, verdicts, strict=True):
                 _settle(call.future, verdict=verdict)
 
     async def _gather(self) -> None:
@@ -141,8 +142,9 @@ def _settle(future: asyncio.Future, verdict: BlockVerdict | None = None, error: 
         future.set_result(verdict)
 
 
-def batched_forward(model: PreTrainedModel, entries: Sequence[TokenCache], new_token_ids: Sequence[list[int]],
-                    cache_argument: str, device: torch.device) -> list[torch.Tensor]:
+def batched_forward(
+    model: PreTrainedModel, entries: Sequence[TokenCache], new_token_ids: Sequence[list[int]], cache_argument: str, device: torch.device
+) -> list[torch.Tensor]:
     """One forward over every session's new tokens; each entry's cache is replaced by its slice
     of the batch's cache (covering its old tokens + new ones). Returns per session the fp32
     logits of its new rows, [n_i, vocab]."""
@@ -152,15 +154,18 @@ def batched_forward(model: PreTrainedModel, entries: Sequence[TokenCache], new_t
     input_ids = torch.full((len(entries), max_new), PAD_TOKEN_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(entries), max_cached + max_new), dtype=torch.long)
     position_ids = torch.zeros((len(entries), max_new), dtype=torch.long)
-    for row, (ids, length) in enumerate(zip(new_token_ids, cached)):
+    for row, (ids, length) in enumerate(zip(new_token_ids, cached, strict=True)):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention_mask[row, max_cached - length : max_cached + len(ids)] = 1
         position_ids[row] = torch.arange(length, length + max_new)
     batch_cache = stacked_cache(model, entries, max_cached)
     with torch.inference_mode():
         output = model(
-            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device), use_cache=True, **{cache_argument: batch_cache},
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            use_cache=True,
+            **{cache_argument: batch_cache},
         )
     for row, entry in enumerate(entries):
         entry.cache = session_slice(model, batch_cache, row, max_cached - cached[row], max_cached + num_new[row])
@@ -173,12 +178,22 @@ def stacked_cache(model: PreTrainedModel, entries: Sequence[TokenCache], max_cac
     if max_cached == 0:
         return batch_cache
     for layer_index in range(model.config.num_hidden_layers):
-        layers = [entry.cache.layers[layer_index] for entry in entries]
-        template = next(layer.keys for layer in layers if layer.get_seq_length() > 0)
-        keys = [_left_padded(layer.keys if layer.get_seq_length() else None, template, max_cached) for layer in layers]
-        values = [_left_padded(layer.values if layer.get_seq_length() else None, template, max_cached) for layer in layers]
+        states = [layer_states(entry.cache.layers[layer_index]) for entry in entries]
+        template = next(held[0] for held in states if held is not None)
+        keys = [_left_padded(None if held is None else held[0], template, max_cached) for held in states]
+        values = [_left_padded(None if held is None else held[1], template, max_cached) for held in states]
         batch_cache.update(torch.cat(keys), torch.cat(values), layer_index)
     return batch_cache
+
+
+def layer_states(layer: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A cache layer's (keys, values), [1, heads, seq, dim] each; None while it holds nothing.
+    Read by attribute: transformers types its layers as a union, but the models batched here
+    have full-attention layers only (DynamicLayer)."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if keys is None or values is None or keys.shape[-2] == 0:
+        return None
+    return keys, values
 
 
 def _left_padded(states: torch.Tensor | None, template: torch.Tensor, length: int) -> torch.Tensor:
@@ -193,8 +208,11 @@ def session_slice(model: PreTrainedModel, batch_cache: DynamicCache, row: int, s
     """Row ``row``'s columns [start, end) of every layer, as a cache of its own."""
     cache = DynamicCache(config=model.config)
     for layer_index, layer in enumerate(batch_cache.layers):
-        cache.update(layer.keys[row : row + 1, :, start:end].clone(),
-                     layer.values[row : row + 1, :, start:end].clone(), layer_index)
+        states = layer_states(layer)
+        if states is None:
+            raise ValueError(f"layer {layer_index} of the batch's cache is empty after its forward")
+        keys, values = states
+        cache.update(keys[row : row + 1, :, start:end].clone(), values[row : row + 1, :, start:end].clone(), layer_index)
     return cache
 
 
@@ -209,11 +227,12 @@ def verify_batch(backend, batch: list[PendingCall]) -> list[BlockVerdict]:
         return [backend._verify(call.block, call.queued_at) for call in batch]
     started = time.perf_counter()
     entries = [backend._caches.pop(call.block.session_id, None) or TokenCache.empty(backend._model) for call in batch]
-    new_token_ids = [entry.reuse_for(call.block.context_token_ids) + call.block.draft_token_ids
-                     for entry, call in zip(entries, batch)]
+    new_token_ids = [
+        entry.reuse_for(call.block.context_token_ids) + call.block.draft_token_ids for entry, call in zip(entries, batch, strict=True)
+    ]
     logits = batched_forward(backend._model, entries, new_token_ids, backend._cache_argument, backend._device)
     verdicts = []
-    for entry, call, ids, rows in zip(entries, batch, new_token_ids, logits):
+    for entry, call, ids, rows in zip(entries, batch, new_token_ids, logits, strict=True):
         # The scored rows are the block's: the last context token's, then each drafted token's.
         scored = rows[len(ids) - call.block.num_drafted - 1 :]
         verdicts.append(backend._conclude(entry, call.block, len(ids), scored, call.queued_at, started, len(batch)))

