@@ -73,6 +73,7 @@ async def until_expired(items: AsyncGenerator[T, None], drain: Drain | None) -> 
             yield item
         return
     expired = asyncio.ensure_future(drain.expired.wait())
+    step: asyncio.Future[T] | None = None
     try:
         while True:
             step = asyncio.ensure_future(anext(items))
@@ -86,6 +87,11 @@ async def until_expired(items: AsyncGenerator[T, None], drain: Drain | None) -> 
                 return
             yield item
     finally:
+        # Cancelled from outside (the client left) while a step runs ``items``: stop that step
+        # first, which ends ``items`` at its await point (its own finally blocks free what it
+        # holds); closing a generator another task is still running raises RuntimeError instead.
+        if step is not None and not step.done():
+            await _cancelled(step)
         await _cancelled(expired)
         await items.aclose()
 
