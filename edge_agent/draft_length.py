@@ -125,6 +125,15 @@ class BlockOutcome:
     round_trip_s: float
     verifier_s: float
     """The verifier's own time for the call (its ``timings.total_ms``): round trip - link."""
+    num_target_tokens: int | None = None
+    """Tokens in the target's forward for the call (the response's ``num_target_tokens``): the
+    block and the token before it, or more when the call also prefilled context (a request's
+    first call, a resync). None: not known."""
+
+    @property
+    def is_block_only(self) -> bool:
+        """Whether the verifier's time is that of the block alone, with no prefill in it."""
+        return self.num_target_tokens is None or self.num_target_tokens <= self.num_drafted + 1
 
 
 @dataclass
@@ -192,10 +201,14 @@ class AdaptiveDraftLength:
         return max(range(1, self.max_length + 1), key=rate)
 
     def observe_times(self, outcome: BlockOutcome) -> None:
+        """Learn t_draft, t_link and t_verify(d). A call that also prefilled context (a prompt
+        of hundreds of tokens: seconds, against a block's fraction of one) says nothing about
+        t_verify(d), and once averaged in it would read as "this length is slow" for many blocks."""
         if outcome.draft_s_per_token is not None:
             self.draft_s_per_token = self._blend(self.draft_s_per_token, outcome.draft_s_per_token)
         self.link_s = self._blend(self.link_s, max(0.0, outcome.round_trip_s - outcome.verifier_s))
-        self.verify_curve.observe(outcome.num_drafted, outcome.verifier_s)
+        if outcome.is_block_only:
+            self.verify_curve.observe(outcome.num_drafted, outcome.verifier_s)
 
     def observe_acceptance(self, num_accepted: int, trials: int) -> None:
         weight = self.prior_smoothing

@@ -117,7 +117,9 @@ class SpeculativeEngine:
                 remaining = request.max_tokens - num_generated
                 num_drafted = self.block_length(lengths.next_length(), remaining, len(context))
                 self._count_overlap(stats, ahead, context)
-                block, drafting = await self._next_block(draft_session, context, num_drafted, request, ahead)
+                block, drafting = await self._next_block(
+                    draft_session, context, num_drafted, request, ahead, first_block=num_generated == 0
+                )
                 ahead_limit = self._ahead_limit(lengths, remaining, len(context), num_drafted)
                 verdict, ahead = await self._verify_while_drafting_ahead(
                     draft_session, verifier_session, context, block, request, ahead_limit, stats
@@ -176,16 +178,24 @@ class SpeculativeEngine:
             session.close()
 
     async def _next_block(
-        self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest, ahead: DraftAhead | None
+        self,
+        session: DraftSession,
+        context: list[int],
+        num_drafted: int,
+        request: GenerationRequest,
+        ahead: DraftAhead | None,
+        first_block: bool = False,
     ) -> tuple[DraftBlock, Drafting]:
-        """The block to verify next: what was drafted ahead for this context, completed by drafting now."""
+        """The block to verify next: what was drafted ahead for this context, completed by drafting now.
+        A request's first block also prefills the draft model over the prompt: its time is
+        exposed, but it is no measure of drafting per token (the controller's t_draft)."""
         reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
         per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids else None
         if len(reused.token_ids) == num_drafted:
             return reused, Drafting(0.0, per_token_s)
         rest, draft_s = await self._draft(session, context + reused.token_ids, num_drafted - len(reused.token_ids), request)
         block = join_blocks(reused, rest)
-        return block, Drafting(draft_s, draft_s / len(rest.token_ids))
+        return block, Drafting(draft_s, None if first_block else draft_s / len(rest.token_ids))
 
     async def _draft(
         self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest
@@ -262,7 +272,14 @@ class SpeculativeEngine:
         stats.verify_ms += call.round_trip_s * 1e3
         stats.verifier_forward_ms += verdict.timings.forward_ms
         lengths.observe(
-            BlockOutcome(num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verdict.timings.total_ms / 1e3)
+            BlockOutcome(
+                num_drafted,
+                verdict.num_accepted,
+                drafting.seconds_per_token,
+                call.round_trip_s,
+                verdict.timings.total_ms / 1e3,
+                verdict.num_target_tokens,
+            )
         )
         metrics = self._metrics
         metrics.verify_calls.inc()

@@ -246,3 +246,24 @@ def test_parse_draft_length_refuses_anything_but_a_positive_integer_or_auto(valu
 def test_adaptive_length_refuses_bad_settings(arguments):
     with pytest.raises(ValueError):
         AdaptiveDraftLength(**arguments)
+
+
+def test_a_call_that_prefilled_the_prompt_teaches_acceptance_but_not_the_verify_curve():
+    # Regression: a request's first call (600 prompt tokens + a block of 4: seconds of prefill)
+    # was averaged into t_verify(4), which bent the fitted line for many blocks after: here the
+    # controller then chose blocks of 1 for a request that had just accepted 4 of 4.
+    measured, poisoned = AdaptiveDraftLength(max_length=16), AdaptiveDraftLength(max_length=16)
+    for shared in (measured, poisoned):
+        _feed(shared.for_request(), acceptance=0.6, blocks=200, verify_line=(0.4, 0.03))
+    before = poisoned.verify_curve.line()
+    request = poisoned.for_request()
+    request.observe(BlockOutcome(4, 4, 0.02, 30.01, 30.0, num_target_tokens=604))
+    assert poisoned.verify_curve.line() == before
+    assert poisoned.acceptance_prior > measured.acceptance_prior  # 4 of 4 accepted: learnt
+    assert request.next_length() > 1
+
+
+def test_a_block_only_call_is_timed():
+    shared = AdaptiveDraftLength()
+    shared.for_request().observe(BlockOutcome(4, 2, 0.02, 0.6, 0.5, num_target_tokens=5))
+    assert shared.verify_curve.points == {4: (0.5, 1)}

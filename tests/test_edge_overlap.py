@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from edge_agent.draft_ahead import DraftAhead, join_blocks
-from edge_agent.draft_length import FixedDraftLength
+from edge_agent.draft_length import BlockOutcome, FixedDraftLength
 from edge_agent.drafter import DraftBlock
 from edge_agent.engine import SpeculativeEngine, TargetDescription
 from edge_agent.metrics import EdgeMetrics
@@ -194,6 +194,37 @@ async def test_a_cancelled_request_cancels_its_verify_call_in_flight():
         await task
     await engine.aclose()
     assert verifier.cancelled == [1]
+
+
+@dataclass
+class RecordingLength(FixedDraftLength):
+    """A fixed length that keeps what the engine tells the controller."""
+
+    outcomes: list[BlockOutcome] = field(default_factory=list)
+
+    def observe(self, outcome: BlockOutcome) -> None:
+        self.outcomes.append(outcome)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlap"])
+async def test_the_controller_gets_no_draft_rate_from_the_block_that_prefilled_the_draft(overlap):
+    # The first block's drafting includes the draft model's prefill over the prompt (seconds on a
+    # long prompt): as a per-token rate it would tell the controller drafting is that slow.
+    lengths = RecordingLength(4)
+    engine = SpeculativeEngine(
+        ScriptedDrafter(),
+        None,
+        ScriptedVerifier(latency_s=0.01),
+        TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB),
+        lengths,
+        EdgeMetrics(),
+        overlap=overlap,
+    )
+    await _generate(engine, 30)
+    first, *later = lengths.outcomes
+    assert first.draft_s_per_token is None
+    assert later and all(outcome.num_target_tokens == outcome.num_drafted + 1 for outcome in later)
+    assert any(outcome.draft_s_per_token is not None for outcome in later)
 
 
 # The pieces ---------------------------------------------------------------------------------------
