@@ -20,6 +20,26 @@ from spade_models.tiny import TinyPairSpec, build_tiny_pair
 torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """How scripts/test spreads the suite over two workers (``--dist loadgroup``): each test module
+    is one group, so its module-scoped servers and models start once, on one worker. A module
+    with a few long tests splits itself by a parameter (``XDIST_SPLIT_BY = "setting"``: one group
+    per value), and modules marked ``XDIST_HEAVY = True`` are queued first (with
+    ``--no-loadscope-reorder``), so the long groups start at once and the workers end together."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or item.get_closest_marker("xdist_group") is not None:
+            continue  # a test that names its own group keeps it
+        group = module.__name__
+        split_by = getattr(module, "XDIST_SPLIT_BY", None)
+        callspec = getattr(item, "callspec", None)
+        if split_by is not None and callspec is not None and split_by in callspec.params:
+            group += f"-{callspec.params[split_by]}"
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "XDIST_HEAVY", False))
+
+
 @dataclass(frozen=True)
 class TinyPair:
     target_dir: Path

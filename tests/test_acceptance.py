@@ -18,6 +18,9 @@ from spade_core.acceptance import Acceptance, accept_block, residual_distributio
 from spade_core.params import SamplingConfig
 from spade_core.sampling import one_hot_argmax, position_uniforms, processed_probs, sample_from, truncate_to_top_n
 
+XDIST_HEAVY = True
+"""One statistical test takes half a minute: queued first (conftest.py)."""
+
 VOCAB = 8
 NUM_TRIALS = 200_000
 MAX_TOTAL_VARIATION = 0.01

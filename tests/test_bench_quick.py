@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+XDIST_HEAVY = True
+"""The quick benchmark run takes about a minute: queued first (conftest.py)."""
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(

@@ -43,6 +43,10 @@ settings (fewer outcomes), which still rejects the draft's distribution by far."
 
 Outcome = tuple[int, ...]
 
+XDIST_SPLIT_BY = "setting"
+"""Each setting's draws take a minute: the settings run on different workers (conftest.py)."""
+XDIST_HEAVY = True
+
 
 def exact_first_two(
     model: LoadedModel,
@@ -162,6 +166,7 @@ def test_the_same_draws_reject_the_draft_model_distribution(speculative_draws, l
     assert chi_square_p_value(speculative_draws(setting), _exact(draft, setting)) < 1e-6
 
 
+@pytest.mark.xdist_group("test_edge_sampling-temperature-1")  # with the tests that draw these
 def test_the_draws_cover_many_outcomes(speculative_draws):
     """The test has something to compare: at temperature 1 at least 10 outcomes are seen 5 times."""
     assert sum(count >= 5 for count in speculative_draws("temperature-1").values()) >= 10

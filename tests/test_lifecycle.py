@@ -22,6 +22,9 @@ from edge_support import DONE, edge_app, metric_value, sse_payloads, verifier_ap
 from servers import serve, wait_until
 from spade_bench.proxy import LinkConfig, ProxyThread
 
+XDIST_HEAVY = True
+"""Real service processes, started and signalled: queued first (conftest.py)."""
+
 MAX_TOKENS = 1500
 ROOT = Path(__file__).resolve().parents[1]
 
