@@ -74,6 +74,8 @@ async def build_engine(
         settings.draft_length,
     )
     target = TargetDescription.from_health(health)
+    if settings.prefill_first and not target.accepts_empty_block:
+        logger.info("the verifier takes no empty block (a version before prefill-first): first calls carry a drafted block")
     return SpeculativeEngine(
         drafter,
         draft.tokenizer,
@@ -83,6 +85,7 @@ async def build_engine(
         metrics,
         settings.fallback == "draft",
         settings.overlap,
+        settings.prefill_first,
     )
 
 
@@ -133,6 +136,7 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
                 "verifier_url": settings.verifier_url,
                 "draft_length": settings.draft_length,
                 "overlap": settings.overlap,
+                "prefill_first": engine.prefill_first,
             },
         )
 

@@ -12,10 +12,16 @@ the verifier checks every one, so exactness does not depend on any of this.
 Example: c = [1, 2], b = [3, 4], drafted ahead [5, 6, 7] (5 is the guess):
     verdict "2 accepted, next 5" -> context [1, 2, 3, 4, 5]: the next block starts with [6, 7];
     verdict "2 accepted, next 9" or "1 accepted, next 8" -> nothing drafted ahead is usable.
+
+A draft forward still running when the verdict lands is not waited for: the verdict's tokens go
+to the user at once and the forward's token joins the others before the next block (``settle``).
+This matters most for the prompt-only first call, where that forward is the draft's prefill of
+the whole prompt: the first token does not wait for it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from edge_agent.drafter import DraftBlock
@@ -41,6 +47,8 @@ class DraftAhead:
     probs: list | None
     """Per token, the distribution it was sampled from (SparseDistribution); None when greedy."""
     seconds: float
+    pending: asyncio.Future[tuple[DraftBlock, float]] | None = None
+    """A proposal of one more token still running when the verdict landed."""
 
     @property
     def sequence(self) -> list[int]:
@@ -49,6 +57,22 @@ class DraftAhead:
     @property
     def seconds_per_token(self) -> float | None:
         return self.seconds / len(self.token_ids) if self.token_ids else None
+
+    async def settle(self) -> tuple[DraftBlock, float]:
+        """Wait for the proposal still running, if any, and take its token; returns what it
+        added and the seconds it took."""
+        if self.pending is None:
+            return EMPTY_BLOCK, 0.0
+        pending, self.pending = self.pending, None
+        block, seconds = await pending
+        self.extend(block, seconds)
+        return block, seconds
+
+    def discard(self) -> None:
+        """Give up the proposal still running (its forward finishes on the drafting thread)."""
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
 
     def extend(self, block: DraftBlock, seconds: float) -> None:
         self.token_ids = self.token_ids + block.token_ids

@@ -240,6 +240,8 @@ class RequestDraftLength:
         return self.shared.best_length(self.acceptance_rate)
 
     def observe(self, outcome: BlockOutcome) -> None:
+        # A block of 0 (the prompt-only first call) teaches nothing: no drafted token was tried,
+        # and its verifier time is the target's prefill of the whole prompt, not t_verify(0).
         if outcome.num_drafted < 1:
             return
         # Each drafted token up to the first rejection is one trial of rate a (all accepted: d

@@ -1,6 +1,12 @@
 """Speculative decoding on the edge: draft a block, verify it in the cloud, stream what the
 target accepted plus its next token, repeat.
 
+Prefill first: the first verify call of a request carries the prompt alone (an empty block), so
+it leaves at once; the verifier prefills the target and answers the target's first token while
+the edge prefills its draft model and, with overlap, drafts ahead of that token (``DraftAhead``).
+The two prefills overlap instead of following each other. With no drafted token nothing can be
+accepted: the first token is the target's own, drawn as its target-only routes draw it.
+
 The edge never emits a token the verifier did not accept or produce, and never computes a
 logprob: those of a request that asks come from the verifier, the target's. The loop ends at EOS, at
 the token budget (the last block is drafted no longer than the budget needs, and its output cut
@@ -38,6 +44,8 @@ class TargetDescription:
     eos_token_ids: frozenset[int]
     vocab_size: int
     logprobs_support: LogprobsSupport = "none"
+    accepts_empty_block: bool = False
+    """The verifier takes a verify call with no drafted token (the prompt-only first call)."""
 
     @classmethod
     def from_health(cls, health: VerifierHealth) -> TargetDescription:
@@ -48,6 +56,7 @@ class TargetDescription:
             frozenset(health.eos_token_ids),
             health.vocab_size,
             health.logprobs_support,
+            health.accepts_empty_block,
         )
 
 
@@ -62,6 +71,7 @@ class SpeculativeEngine:
         metrics: EdgeMetrics,
         fallback_to_draft: bool = False,
         overlap: bool = False,
+        prefill_first: bool = False,
     ) -> None:
         self._drafter = drafter
         self._tokenizer = tokenizer
@@ -72,6 +82,7 @@ class SpeculativeEngine:
         self._fallback_to_draft = fallback_to_draft
         self._overlap = overlap
         """Draft the next block while the verifier checks this one."""
+        self._prefill_first = prefill_first and target.accepts_empty_block
         # One drafting thread: draft forwards stay off the event loop, in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 
@@ -103,6 +114,11 @@ class SpeculativeEngine:
     def verifier_reachable(self) -> bool:
         return self._client.is_reachable
 
+    @property
+    def prefill_first(self) -> bool:
+        """The first verify call of a request carries the prompt alone (asked for, and the verifier accepts it)."""
+        return self._prefill_first
+
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         draft_session = self._drafter.start_session()
         verifier_session = self._client.open_session()
@@ -110,12 +126,15 @@ class SpeculativeEngine:
         context = list(request.prompt_token_ids)
         num_generated = 0
         ahead: DraftAhead | None = None
+        is_prompt_only = self._prefill_first
         self._metrics.requests.inc()
         self._metrics.active_requests.inc()
         try:
             while num_generated < request.max_tokens:
                 remaining = request.max_tokens - num_generated
-                num_drafted = self.block_length(lengths.next_length(), remaining, len(context))
+                num_drafted = 0 if is_prompt_only else self.block_length(lengths.next_length(), remaining, len(context))
+                is_prompt_only = False
+                await self._settle(ahead, stats)
                 self._count_overlap(stats, ahead, context)
                 block, drafting = await self._next_block(
                     draft_session, context, num_drafted, request, ahead, first_block=num_generated == 0
@@ -124,13 +143,11 @@ class SpeculativeEngine:
                 verdict, ahead = await self._verify_while_drafting_ahead(
                     draft_session, verifier_session, context, block, request, ahead_limit, stats
                 )
-                if verdict is None:  # verifier unreachable, serving the draft (--fallback draft)
-                    emitted = block.token_ids
-                    stats.fallback_tokens += len(emitted)
-                    stats.draft_ms += drafting.exposed_s * 1e3
-                else:
-                    self._record(stats, lengths, verifier_session, block, verdict, drafting)
-                    emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
+                emitted = self._committed(stats, lengths, verifier_session, block, verdict, drafting)
+                if not emitted:  # the prompt-only call fell back to the draft: draft a block and serve that
+                    self._discard(ahead)
+                    ahead = None
+                    continue
                 context += emitted
                 kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
                 num_generated += kept
@@ -139,6 +156,7 @@ class SpeculativeEngine:
                 if kept < len(emitted) or emitted[-1] in request.eos_token_ids:
                     return
         finally:
+            self._discard(ahead)
             self._metrics.active_requests.dec()
             self._close_draft_session(draft_session)
             verifier_session.close()
@@ -153,7 +171,9 @@ class SpeculativeEngine:
     def _ahead_limit(self, lengths, remaining: int, context_length: int, num_drafted: int) -> int:
         """Tokens worth drafting past the block while it is verified: the guess of the target's
         next token, then the next block, within what the budget and the context can still use.
-        Example: 10 tokens left, a block of 4 -> at best 5 come back and 5 remain: the guess + 4."""
+        Example: 10 tokens left, a block of 4 -> at best 5 come back and 5 remain: the guess + 4.
+        The prompt-only call (a block of 0), 10 left, length 5 -> the guess + 5; drafting the
+        guess is also the draft's prefill of the prompt."""
         left_after_hit = remaining - (num_drafted + 1)
         if not self._overlap or left_after_hit <= 0:
             return 0
@@ -217,20 +237,27 @@ class SpeculativeEngine:
     ) -> tuple[VerifyResponse | None, DraftAhead | None]:
         """Send the block; until the verdict arrives, keep drafting past it one token at a time
         (a guess of the target's next token, then the block after it). A token in progress when
-        the verdict lands is finished (the drafting thread cannot be interrupted mid-forward)."""
+        the verdict lands is left pending (``DraftAhead.settle`` takes it before the next block):
+        the drafting thread cannot be interrupted mid-forward, and the verdict need not wait."""
         verifying = asyncio.ensure_future(self._verify(verifier_session, context, block, request))
+        ahead = DraftAhead(context + block.token_ids, [], None, 0.0)
         try:
-            ahead = DraftAhead(context + block.token_ids, [], None, 0.0)
             while len(ahead.token_ids) < ahead_limit and not verifying.done():
-                drafting = asyncio.ensure_future(self._draft(draft_session, ahead.sequence, 1, request))
-                await asyncio.wait({verifying, drafting}, return_when=asyncio.FIRST_COMPLETED)
-                ahead.extend(*await drafting)
+                ahead.pending = asyncio.ensure_future(self._draft(draft_session, ahead.sequence, 1, request))
+                await asyncio.wait({verifying, ahead.pending}, return_when=asyncio.FIRST_COMPLETED)
+                if not ahead.pending.done():
+                    break
+                await ahead.settle()
             self._metrics.draft_ahead_tokens.inc(len(ahead.token_ids))
             stats.draft_ahead_ms += ahead.seconds * 1e3
-            return await verifying, (ahead if ahead.token_ids else None)
+            verdict = await verifying
+        except BaseException:
+            ahead.discard()
+            raise
         finally:
             if not verifying.done():  # the request was cancelled (client gone): so is its call
                 verifying.cancel()
+        return verdict, (ahead if ahead.token_ids or ahead.pending is not None else None)
 
     async def _verify(
         self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest
@@ -245,6 +272,31 @@ class SpeculativeEngine:
                 raise
             self._metrics.fallback_tokens.inc(len(block.token_ids))
             return None
+
+    def _committed(
+        self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse | None, drafting: Drafting
+    ) -> list[int]:
+        """The tokens the call commits: the accepted drafts and the next token; with no verdict
+        (verifier unreachable, --fallback draft) the draft's own block, unverified."""
+        if verdict is None:
+            stats.fallback_tokens += len(block.token_ids)
+            stats.draft_ms += drafting.exposed_s * 1e3
+            return block.token_ids
+        self._record(stats, lengths, session, block, verdict, drafting)
+        return block.token_ids[: verdict.num_accepted] + [verdict.next_token]
+
+    async def _settle(self, ahead: DraftAhead | None, stats: SpadeStats) -> None:
+        """The token still being drafted ahead when the last verdict came, now that it is needed."""
+        if ahead is None:
+            return
+        added, seconds = await ahead.settle()
+        self._metrics.draft_ahead_tokens.inc(len(added.token_ids))
+        stats.draft_ahead_ms += seconds * 1e3
+
+    @staticmethod
+    def _discard(ahead: DraftAhead | None) -> None:
+        if ahead is not None:
+            ahead.discard()
 
     def _count_overlap(self, stats: SpadeStats, ahead: DraftAhead | None, context: list[int]) -> None:
         """A hit: the committed context runs through the guess, so what was drafted ahead starts

@@ -47,7 +47,7 @@ class EdgeMetrics:
         self.bytes_received = Counter("spade_edge_bytes_received", "Response bytes received from the verifier", registry=r)
         self.draft_length = Histogram(
             "spade_edge_draft_length",
-            "Tokens drafted per block",
+            "Tokens drafted per block (0: the prompt-only first call of a request)",
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
             registry=r,
         )

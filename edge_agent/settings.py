@@ -62,6 +62,15 @@ class EdgeSettings(ServiceSettings):
             "when the verdict runs through the draft's guess of the next token."
         ),
     )
+    prefill_first: bool = Field(
+        True,
+        description=(
+            "The first verify call of a request carries the prompt alone (no drafted block) and leaves at once: "
+            "the target prefills the prompt and answers its first token while the edge prefills the draft "
+            "(with --overlap, and drafts ahead of that token). With --overlap false the draft waits for that "
+            "first token. Used only when the verifier's /health says it accepts an empty block."
+        ),
+    )
     max_draft_length: int = Field(16, ge=1, description="Upper bound of the adaptive draft length.")
     max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")

@@ -60,17 +60,19 @@ def metric_value(base_url: str, sample_name: str) -> float:
 
 
 class RecordingTransport(httpx.ASGITransport):
-    """Calls an ASGI app in this process and remembers the session ids of the verify calls."""
+    """Calls an ASGI app in this process and remembers the verify calls' bodies and session ids."""
 
     def __init__(self, app) -> None:
         super().__init__(app=app)
         self.session_ids: list[str] = []
+        self.verify_bodies: list[dict] = []
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/verify":
-            session_id = json.loads(request.content)["session_id"]
-            if session_id not in self.session_ids:
-                self.session_ids.append(session_id)
+            body = json.loads(request.content)
+            self.verify_bodies.append(body)
+            if body["session_id"] not in self.session_ids:
+                self.session_ids.append(body["session_id"])
         return await super().handle_async_request(request)
 
 
@@ -83,14 +85,20 @@ class InProcessStack:
 
 
 @contextlib.asynccontextmanager
-async def in_process_engine(pair, draft_length: str = "3", **verifier_settings) -> AsyncIterator[InProcessStack]:
+async def in_process_engine(
+    pair, draft_length: str = "3", edge_settings: dict | None = None, transport_class=None, **verifier_settings
+) -> AsyncIterator[InProcessStack]:
     """The edge's speculative engine over a verifier app in this process: the same engine and
-    verifier code as the servers, with the HTTP hop replaced by an ASGI transport."""
+    verifier code as the servers, with the HTTP hop replaced by an ASGI transport
+    (``transport_class``, a RecordingTransport by default). ``edge_settings`` are EdgeSettings
+    fields beyond the draft length."""
     verifier = verifier_app(pair, **verifier_settings)
     async with verifier.router.lifespan_context(verifier):
         await asyncio.wait_for(_loaded(verifier), timeout=120)
-        transport = RecordingTransport(verifier)
-        settings = EdgeSettings(draft_model=str(pair.draft_dir), verifier_url="http://verifier", draft_length=draft_length)
+        transport = (transport_class or RecordingTransport)(verifier)
+        settings = EdgeSettings(
+            draft_model=str(pair.draft_dir), verifier_url="http://verifier", draft_length=draft_length, **(edge_settings or {})
+        )
         engine = await build_engine(settings, EdgeMetrics(), transport=transport)
         try:
             yield InProcessStack(engine, verifier, transport)

@@ -1,6 +1,7 @@
 """Greedy equality: at temperature 0 the edge's output is the target's own output.
 
-For every draft length (fixed 1, 2, 3, 5, 8 and adaptive), each case's text, token count and
+For every draft length (fixed 1, 2, 3, 5, 8 and adaptive), drafting ahead or in turn, with the
+prompt-only first call (prefill first) or a drafted first block, each case's text, token count and
 finish reason from the edge equal what the verifier answers with target-only decoding (its own
 /v1/completions and /v1/chat/completions), through real servers, the openai client and fp32
 tiny models. The cases mix both endpoints, streamed and not, budgets from 1 to 100 tokens, and
@@ -112,16 +113,23 @@ def target_outputs(verifier_url) -> dict[str, Output]:
     return {case.id: generate(client, replace(case, stream=False)) for case in CASES}
 
 
-EDGE_VARIANTS = [(length, True) for length in DRAFT_LENGTHS] + [(length, False) for length in ("1", "5", "auto")]
-"""(draft length, overlap): every length drafting ahead while verifying (the default), some in turn."""
-
-
-@pytest.fixture(
-    scope="module", params=EDGE_VARIANTS, ids=[f"draft-{length}-{'overlap' if overlap else 'in-turn'}" for length, overlap in EDGE_VARIANTS]
+EDGE_VARIANTS = (
+    [(length, True, True) for length in DRAFT_LENGTHS]
+    + [(length, False, True) for length in ("1", "5", "auto")]
+    + [("3", True, False), ("5", False, False)]
 )
+"""(draft length, overlap, prefill first): every length drafting ahead while verifying, with the
+prompt-only first call (the defaults); some in turn; some whose first call carries a block."""
+
+
+def _variant_id(length: str, overlap: bool, prefill_first: bool) -> str:
+    return f"draft-{length}-{'overlap' if overlap else 'in-turn'}{'' if prefill_first else '-block-first'}"
+
+
+@pytest.fixture(scope="module", params=EDGE_VARIANTS, ids=[_variant_id(*variant) for variant in EDGE_VARIANTS])
 def edge_client(request, tiny_pair, verifier_url):
-    draft_length, overlap = request.param
-    with serve(edge_app(tiny_pair, verifier_url, draft_length=draft_length, overlap=overlap)) as url:
+    draft_length, overlap, prefill_first = request.param
+    with serve(edge_app(tiny_pair, verifier_url, draft_length=draft_length, overlap=overlap, prefill_first=prefill_first)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 

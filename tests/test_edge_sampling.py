@@ -4,7 +4,8 @@ Over the 12-token ``letters`` vocabulary the first two generated tokens have 144
 outcomes (fewer: EOS first ends the output), so their exact distribution under the target,
 P(t1) * P(t2 | t1) after the request's sampling transform, is computed from the target model
 directly and compared with thousands of seeded generations of the edge's speculative engine
-(draft length 3, verify calls through the verifier app in-process). A chi-square
+(draft length 3, verify calls through the verifier app in-process; the first call carrying the
+prompt alone, the default, and, for one setting, a drafted block). A chi-square
 goodness-of-fit test must accept it (p > 0.001), and must reject the draft model's own
 distribution (p < 1e-6): the negative control that shows the test can fail.
 """
@@ -36,10 +37,16 @@ SETTINGS = {
     "temperature-1": SamplingConfig(temperature=1.0),
     "temperature-0.7-top-k-5": SamplingConfig(temperature=0.7, top_k=5),
     "top-p-0.8": SamplingConfig(temperature=1.0, top_p=0.8),
+    "temperature-1-block-first": SamplingConfig(temperature=1.0),
 }
-NUM_SEEDS = {"temperature-1": 4000, "temperature-0.7-top-k-5": 2000, "top-p-0.8": 2000}
+NUM_SEEDS = {"temperature-1": 4000, "temperature-0.7-top-k-5": 2000, "top-p-0.8": 2000, "temperature-1-block-first": 2000}
 """Seeds drawn per setting: 4000 where the outcomes spread widest, 2000 for the two truncated
-settings (fewer outcomes), which still rejects the draft's distribution by far."""
+settings (fewer outcomes) and the block-first one, which still reject the draft's distribution
+by far."""
+EDGE_SETTINGS = {"temperature-1-block-first": {"prefill_first": False}}
+"""The edge runs with its defaults (the first call carries the prompt alone, so the first token
+is drawn by the target and the second goes through the acceptance rule), except here, where
+the first call carries a drafted block and both tokens go through the acceptance rule."""
 
 Outcome = tuple[int, ...]
 
@@ -96,13 +103,14 @@ def chi_square_p_value(observed: Counter, probs: dict[Outcome, float]) -> float:
     return float(chisquare(cells_observed, [expected * scale for expected in cells_expected]).pvalue)
 
 
-async def _draw_first_two(pair, sampling: SamplingConfig, num_seeds: int) -> Counter:
-    async with in_process_engine(pair, draft_length="3") as stack:
+async def _draw_first_two(pair, sampling: SamplingConfig, num_seeds: int, edge_settings: dict) -> Counter:
+    async with in_process_engine(pair, draft_length="3", edge_settings=edge_settings) as stack:
         engine = stack.engine
         prompt_ids = engine.tokenizer.encode(PROMPT)
         outcomes = Counter()
         for seed in range(num_seeds):
-            # A budget of 4 lets the first block draft its 3 tokens; only the first 2 are kept.
+            # A budget of 4: a drafted first block holds 3 tokens; after the prompt-only call
+            # (the first token) the next block holds 2. Only the first 2 tokens are kept.
             request = GenerationRequest(
                 f"draw-{seed}",
                 prompt_ids,
@@ -137,7 +145,9 @@ def speculative_draws(letters_pair):
 
     def draws(setting: str) -> Counter:
         if setting not in cache:
-            cache[setting] = asyncio.run(_draw_first_two(letters_pair, SETTINGS[setting], NUM_SEEDS[setting]))
+            cache[setting] = asyncio.run(
+                _draw_first_two(letters_pair, SETTINGS[setting], NUM_SEEDS[setting], EDGE_SETTINGS.get(setting, {}))
+            )
         return cache[setting]
 
     return draws

@@ -614,6 +614,20 @@ async def test_not_asked_the_wire_asks_nothing_and_nothing_is_computed(tiny_pair
         assert len(logprob_computations) == len(recorder.verify_bodies)
 
 
+async def test_the_prompt_only_first_call_reports_the_first_tokens_logprobs(tiny_pair, target_model):
+    async with edge_in_process(tiny_pair) as (app, recorder):
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+        entries = (await post(app, "/v1/chat/completions", body)).json()["choices"][0]["logprobs"]["content"]
+    first = recorder.verify_bodies[0]
+    assert (first["draft_tokens"], first["num_top_logprobs"]) == ([], 3)
+    assert all(later["draft_tokens"] for later in recorder.verify_bodies[1:])
+    row = plain_forward_logits(target_model.model, first["new_tokens"])[-1].log_softmax(dim=-1)
+    assert len(entries) == 8
+    assert entries[0]["logprob"] == pytest.approx(float(row.max()), abs=PLAIN_FORWARD_TOLERANCE)
+    listed = [top["logprob"] for top in entries[0]["top_logprobs"]]
+    assert listed == pytest.approx(row.topk(3).values.tolist(), abs=PLAIN_FORWARD_TOLERANCE)
+
+
 def test_the_verifier_route_computes_logprobs_only_when_asked(clients, logprob_computations):
     clients["verifier"].chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
     assert logprob_computations == []
@@ -628,4 +642,6 @@ async def test_the_draft_fallback_never_serves_a_request_that_asked(tiny_pair):
         asked = await post(app, "/v1/chat/completions", body | {"logprobs": True})
         assert (asked.status_code, asked.json()["error"]["code"]) == (503, "verifier_unavailable")
         served = await post(app, "/v1/chat/completions", body)  # the same request without logprobs: the draft's tokens
-        assert served.status_code == 200 and served.json()["spade"]["fallback_tokens"] > 0
+        assert served.status_code == 200
+        # The failed prompt-only call serves nothing; the drafted blocks after it serve every token.
+        assert served.json()["spade"]["fallback_tokens"] == served.json()["usage"]["completion_tokens"] == 6

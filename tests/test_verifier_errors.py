@@ -106,7 +106,7 @@ BAD_VERIFY_CALLS = {
     "drafted_token_outside_support": BadCall(setting_probs([6, 7], [0.5, 0.5]), "draft_probs.0"),
     "repeated_support_token": BadCall(setting_probs([5, 5], [0.5, 0.5]), "draft_probs.0"),
     "support_over_limit": BadCall(setting(draft_probs=TOO_WIDE_SUPPORT), "draft_probs.0"),
-    "empty_block": BadCall(setting(draft_tokens=[]), "draft_tokens"),
+    "draft_probs_for_an_empty_block": BadCall(setting(draft_tokens=[], draft_probs=_draft_probs([5], [1.0])), "draft_probs"),
     "oversized_block": BadCall(setting(draft_tokens=[5] * (MAX_DRAFT + 1)), "draft_tokens"),
     "context_over_max_length": BadCall(filling_the_context, "draft_tokens", "context_length_exceeded"),
     "prefix_zero_without_context": BadCall(setting(prefix_length=0, new_tokens=[]), "new_tokens"),

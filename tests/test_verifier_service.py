@@ -17,7 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from servers import serve, wait_until
-from verifier_service.protocol import SESSION_RESYNC_CODE
+from spade_core.params import SamplingConfig
+from spade_core.sampling import position_uniforms, processed_probs, sample_from
+from verifier_service.protocol import SESSION_RESYNC_CODE, VerifierHealth
 from verifier_support import (
     ENVELOPE_KEYS,
     MAX_DRAFT,
@@ -134,6 +136,61 @@ def test_next_token_kind_is_bonus_after_full_acceptance_and_correction_otherwise
     blocks = [greedy_block(model, context, 3, corrupt_at, vocab_size, rng) for corrupt_at in (3, 1)]
     answers = [verify(client, verify_body(new_session_id(), [], block, new_tokens=context)) for block in blocks]
     assert [answer["next_token_kind"] for answer in answers] == ["bonus", "correction"]
+
+
+# --- the empty block: the prompt alone, answered with the target's next token -----------------
+
+
+def test_an_empty_block_answers_the_targets_greedy_next_token_as_a_bonus(client, model, vocab_size):
+    rng = random.Random(30)
+    context = random_tokens(rng, 17, vocab_size)
+    answer = verify(client, verify_body(new_session_id(), [], [], new_tokens=context))
+    argmax = int(plain_forward_logits(model, context)[-1].argmax())
+    assert (answer["num_accepted"], answer["next_token"], answer["next_token_kind"]) == (0, argmax, "bonus")
+    assert (answer["context_length"], answer["num_target_tokens"]) == (len(context) + 1, len(context))
+
+
+def test_after_an_empty_block_the_session_holds_the_prompt_and_its_next_token(client, model, vocab_size):
+    rng = random.Random(31)
+    context = random_tokens(rng, 14, vocab_size)
+    session = open_session(client, context, [])
+    assert session.committed == context + [int(plain_forward_logits(model, context)[-1].argmax())]
+    block = greedy_block(model, session.committed, 4, 2, vocab_size, rng)
+    answer = verify(client, verify_body(session.session_id, session.committed, block))
+    assert verdict(answer) == reference_verdict(model, session.committed, block)
+    assert answer["num_target_tokens"] == 1 + 4  # the prompt is cached: only the next token and the block
+
+
+def test_an_empty_block_asking_for_logprobs_gets_those_of_its_one_token(client, model, vocab_size):
+    context = random_tokens(random.Random(32), 11, vocab_size)
+    answer = verify(client, verify_body(new_session_id(), [], [], new_tokens=context) | {"num_top_logprobs": 3})
+    row = plain_forward_logits(model, context)[-1].log_softmax(dim=-1)
+    assert answer["logprobs"] == pytest.approx([float(row[answer["next_token"]])], abs=1e-4)
+    assert [top["token_ids"] for top in answer["top_logprobs"]] == [row.topk(3).indices.tolist()]
+
+
+def test_a_sampled_empty_block_draws_its_positions_target_token(client, model, vocab_size):
+    """What holds for seeds: the token is sample_from(p_n, u_n), p_n the target's distribution at
+    the context's end and u_n position n's seeded token draw, the very draw a target-only step
+    makes there. ``draft_probs`` may be [] for an empty block."""
+    context = random_tokens(random.Random(33), 12, vocab_size)
+    sampling = SamplingConfig(temperature=1.0, top_k=40)
+    probs = processed_probs(plain_forward_logits(model, context)[-1], sampling)
+    drawn = []
+    for seed in range(8):
+        body = verify_body(new_session_id(), [], [], new_tokens=context, sampling={"temperature": 1.0, "top_k": 40, "seed": seed})
+        answer = verify(client, body | {"draft_probs": []})
+        expected = sample_from(probs, float(position_uniforms(seed, len(context), 1)[0, 1]))
+        assert (answer["num_accepted"], answer["next_token"]) == (0, expected)
+        drawn.append(expected)
+    assert len(set(drawn)) > 1
+
+
+def test_the_verifier_says_it_accepts_an_empty_block_and_an_older_one_does_not(client):
+    health = client.get("/health").json()
+    assert health["accepts_empty_block"] is True
+    del health["accepts_empty_block"]
+    assert VerifierHealth.model_validate(health).accepts_empty_block is False
 
 
 # --- the cache: no re-prefill -----------------------------------------------------------------

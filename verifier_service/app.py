@@ -112,6 +112,7 @@ def _add_verifier_routes(app: FastAPI) -> None:
                 max_draft_support=settings.max_draft_support,
                 eos_token_ids=[],
                 backend=settings.backend,
+                accepts_empty_block=True,
             )
             return JSONResponse(body.model_dump(), status_code=503)
         info = service.backend.info
@@ -126,5 +127,6 @@ def _add_verifier_routes(app: FastAPI) -> None:
             eos_token_ids=sorted(info.eos_token_ids),
             backend=service.backend.name,
             logprobs_support=service.backend.logprobs_support,
+            accepts_empty_block=True,
         )
         return JSONResponse(body.model_dump())

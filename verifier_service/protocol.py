@@ -3,6 +3,14 @@
 A verify call asks: given the committed context and a block of drafted tokens, which does the
 target accept, and what comes next?
 
+The block may be empty: the edge's first call of a generation carries the prompt alone, so it
+leaves before the edge has drafted anything (the edge prefills its draft model meanwhile). With
+no drafted token nothing is accepted and ``next_token`` is the target's own next token, drawn
+from its distribution at the last context position with that position's seeded draws, exactly
+as the verifier's target-only routes draw it (a bonus token, ``num_accepted`` 0).
+``VerifierHealth.accepts_empty_block`` says a verifier takes such calls (false from one older
+than the field, which answers them 400).
+
 Session protocol. The verifier keeps, per ``session_id``, the committed context it has seen and
 the target's KV cache over it. After answering a call it appends the accepted drafted tokens and
 the next token to that context itself, so the following call normally carries no context at
@@ -21,6 +29,11 @@ Example, context c0..c9 committed, the verifier already holds all ten:
      "draft_tokens": [d0, d1, d2], "draft_probs": null, "sampling": {"temperature": 0, ...}}
     -> {"num_accepted": 2, "next_token": t, "context_length": 13, ...}
     the committed context is now c0..c9 d0 d1 t (length 13).
+
+Example, the first call of a generation with prompt c0..c9 (nothing drafted yet):
+    {"session_id": "s", "prefix_length": 0, "prefix_digest": digest(), "new_tokens": [c0, ..., c9],
+     "draft_tokens": [], "sampling": {...}}
+    -> {"num_accepted": 0, "next_token": t, "next_token_kind": "bonus", "context_length": 11, ...}
 
 Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
 token and, in ``top_logprobs``, its N most likely alternatives, all the target's
@@ -92,9 +105,9 @@ class VerifyRequest(UnicodeChecked):
     prefix_length: int = Field(ge=0, description="Committed tokens the edge assumes the verifier holds.")
     prefix_digest: str = Field(description="context_digest of those prefix_length tokens.")
     new_tokens: list[int] = Field(default_factory=list, description="Committed tokens past prefix_length.")
-    draft_tokens: list[int] = Field(description="The drafted block, at least one token.")
+    draft_tokens: list[int] = Field(description="The drafted block; empty: the target's next token alone (the prompt-only first call).")
     draft_probs: list[SparseDistribution] | None = Field(
-        None, description="Per drafted token, the distribution it was sampled from; null = greedy draft."
+        None, description="Per drafted token, the distribution it was sampled from; null = greedy draft (null or [] for an empty block)."
     )
     sampling: WireSampling = Field(default_factory=lambda: WireSampling())
     num_top_logprobs: int | None = Field(
@@ -170,4 +183,9 @@ class VerifierHealth(BaseModel):
         default="none",
         description=f"Which verify calls may ask for logprobs, one of {get_args(LogprobsSupport)}: all, greedy "
         "ones only (vLLM backend, sample_match route), none (a verifier older than this field).",
+    )
+    accepts_empty_block: bool = Field(
+        default=False,
+        description="Verify calls may carry an empty block (the edge's prompt-only first call); false from a verifier older "
+        "than this field, which refuses them.",
     )

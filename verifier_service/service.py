@@ -81,9 +81,7 @@ class VerifierService:
 
     def validate(self, request: VerifyRequest) -> torch.Tensor | None:
         """Check everything that does not depend on the session; returns the dense draft_probs."""
-        num_drafted = len(request.draft_tokens)
-        if num_drafted == 0:
-            raise InvalidRequestError("draft_tokens must hold at least one token", param="draft_tokens")
+        num_drafted = len(request.draft_tokens)  # 0: the prompt-only call, answered with the target's next token
         if num_drafted > self.limits.max_draft_tokens:
             raise InvalidRequestError(
                 f"at most {self.limits.max_draft_tokens} drafted tokens per call, got {num_drafted}", param="draft_tokens"
@@ -101,6 +99,8 @@ class VerifierService:
             raise InvalidRequestError(
                 f"draft_probs has {len(request.draft_probs)} rows for {num_drafted} drafted tokens", param="draft_probs"
             )
+        if num_drafted == 0:  # [] for an empty block: nothing drafted, nothing to weigh
+            return None
         return self._dense_draft_probs(request.draft_probs, request.draft_tokens)
 
     def validate_length(self, context_length: int, num_drafted: int) -> None:

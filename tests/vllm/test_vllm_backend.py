@@ -5,7 +5,8 @@ generation, and one plain transformers forward.
 - Temperature 0: num_accepted = the drafted tokens that equal the target's greedy continuation,
   next token = the continuation's next token, logprobs = raw target logprobs of what was emitted;
   the same answer again when the drafted tokens already sit in vLLM's prefix cache (stale rows).
-- An empty block is one step of target-only decoding.
+- An empty block is one step of target-only decoding; a block after one (the edge's prompt-only
+  first call) answers as on a fresh session.
 - Temperature > 0, both exact routes: the first emitted token follows the target's processed
   distribution (total variation within a fixed tolerance over many seeds); one seed, one answer.
 - 8 sessions at once: an edge loop drafting with the tiny draft model produces exactly vLLM's
@@ -107,6 +108,27 @@ async def test_empty_block_is_one_target_step(vllm_backend, route):
     sampled = BlockToVerify("empty", context, [], None, SamplingConfig(**SAMPLED, seed=4))
     verdict = await vllm_backend.with_route(route).verify_block(sampled)
     assert (verdict.num_accepted, verdict.is_bonus, verdict.logprobs) == (0, True, None)  # not asked
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_block_after_an_empty_one_answers_as_on_a_fresh_session(vllm_backend, route):
+    """The edge's prompt-only first call leaves its session known and the prompt in the prefix
+    cache; the next block's verdict must not depend on that (sample_match then skips its
+    cold-context request). One seed, one answer, either way."""
+    backend = vllm_backend.with_route(route)
+    context = random_tokens(random.Random(17), 45, backend.info.vocab_size)
+    outcomes = []
+    for seed in range(6):
+        sampling = SamplingConfig(**SAMPLED, seed=seed)
+        first = await backend.verify_block(BlockToVerify(f"opened-{route}-{seed}", context, [], None, sampling))
+        assert (first.num_accepted, first.is_bonus) == (0, True)
+        committed = context + [first.next_token_id]
+        block = await vllm_greedy(backend, committed, 3)
+        after = await backend.verify_block(BlockToVerify(f"opened-{route}-{seed}", committed, block, None, sampling))
+        fresh = await backend.verify_block(BlockToVerify(f"fresh-{route}-{seed}", committed, block, None, sampling))
+        assert (after.num_accepted, after.next_token_id) == (fresh.num_accepted, fresh.next_token_id)
+        outcomes.append((first.next_token_id, after.num_accepted, after.next_token_id))
+    assert len(set(outcomes)) > 1, "different seeds should give different outcomes"
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -4,9 +4,10 @@ the edge's temperature-0 output through it equals vLLM's own greedy output.
 The verifier is built exactly as ``spade-verifier --backend vllm`` builds it (its own engine,
 started in the app's lifespan) and served by uvicorn on a loopback port. It is checked against
 a plain transformers forward of the same fp32 target: greedy verdicts on fresh and follow-up
-calls, replayed retries, and every bad call of the transformers suite's table refused with the
-same status, envelope, param and code. End to end, the edge agent (drafting with the tiny draft
-model) serves completions whose text equals vLLM's greedy generation of the same prompt.
+calls, the empty block (the edge's prompt-only first call), replayed retries, and every bad call
+of the transformers suite's table refused with the same status, envelope, param and code. End to
+end, the edge agent (drafting with the tiny draft model) serves completions whose text equals
+vLLM's greedy generation of the same prompt, with the prompt-only first call and without.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def vocab_size(hf_target) -> int:
 def test_health_names_the_vllm_backend(client, vocab_size):
     health = client.get("/health").json()
     assert (health["backend"], health["vocab_size"], health["max_context_length"]) == ("vllm", vocab_size, MAX_CONTEXT)
+    assert health["accepts_empty_block"] is True
+
+
+def test_an_empty_block_answers_the_targets_next_token_and_blocks_follow_it(client, model, vocab_size):
+    """The edge's prompt-only first call, then greedy blocks through the session."""
+    rng = random.Random(40)
+    context = random_tokens(rng, 37, vocab_size)
+    answer = verify(client, verify_body("svc-empty", [], [], new_tokens=context))
+    assert (answer["num_accepted"], answer["next_token"]) == reference_verdict(model, context, [])
+    assert (answer["next_token_kind"], answer["context_length"]) == ("bonus", len(context) + 1)
+    context = held = committed_after(context, [], answer)
+    for corrupt_at in (4, 1):
+        block = corrupted(greedy_continuation(model, context, 4), corrupt_at, vocab_size, rng)
+        answer = verify(client, verify_body("svc-empty", held, block))
+        assert (answer["num_accepted"], answer["next_token"]) == reference_verdict(model, context, block)
+        context = held = committed_after(context, block, answer)
 
 
 @pytest.mark.parametrize("corrupt_at", [0, 2, 4])
@@ -131,10 +148,13 @@ async def vllm_greedy_text(backend, tokenizer, prompt: str) -> str:
 
 
 @pytest.mark.asyncio(loop_scope="session")
-@pytest.mark.parametrize("draft_length", [1, 4, 8])
-async def test_edge_greedy_output_equals_vllm_greedy_output(vllm_backend, hf_target, vllm_pair, verifier_url, draft_length):
+@pytest.mark.parametrize(
+    ("draft_length", "prefill_first"), [(1, True), (4, True), (8, True), (4, False)], ids=["1", "4", "8", "4-block-first"]
+)
+async def test_edge_greedy_output_equals_vllm_greedy_output(vllm_backend, hf_target, vllm_pair, verifier_url, draft_length, prefill_first):
+    """With the prompt-only first call (the default) and with a drafted first block."""
     expected = [await vllm_greedy_text(vllm_backend, hf_target.tokenizer, prompt) for prompt in PROMPTS]
-    with serve(edge_app(vllm_pair, verifier_url, draft_length=draft_length)) as edge_url:
+    with serve(edge_app(vllm_pair, verifier_url, draft_length=draft_length, prefill_first=prefill_first)) as edge_url:
         edge = openai.OpenAI(base_url=edge_url + "/v1", api_key="unused", max_retries=0)
         outputs = [
             edge.completions.create(model="target", prompt=prompt, max_tokens=MAX_NEW_TOKENS, temperature=0).choices[0].text

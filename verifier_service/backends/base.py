@@ -6,8 +6,10 @@ answers one question: for this committed context and drafted block, how many dra
 are accepted and what is the next token. It must answer with exactly the distribution of
 sampling from the target alone (see ``spade_core.acceptance``).
 
-A block with no drafted tokens is allowed internally: it is one step of target-only decoding
-(the verifier's own OpenAI routes use it); the wire refuses empty blocks.
+A block with no drafted tokens is one step of target-only decoding: nothing is accepted and
+the next token is the bonus drawn from the target's distribution after the context, with the
+seeded draws of that position. The verifier's own OpenAI routes decode that way, and the edge's
+first verify call of a generation carries the prompt alone.
 """
 
 from __future__ import annotations

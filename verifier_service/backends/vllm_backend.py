@@ -30,6 +30,11 @@ Temperature > 0, two exact routes:
                    temperature/top-k/top-p transform on those raw logprobs, then the shared
                    acceptance rule with the edge's draft probabilities and position uniforms.
 
+An empty block (d = 0: a target-only step, or the edge's prompt-only first call) is row 0 alone,
+the bonus row: greedy, one request over the context without prompt logprobs; sample_match, one
+request seeded for position n; full_logprobs, that request's full row and our draw for
+position n. A target-only step runs the very same requests and draws: both give the same token.
+
 Why sample_match (spade_bench/backend_bench.py, 2 CPU cores, fp32, 512-token contexts, 8 drafted):
 vLLM returns prompt logprobs as a [prompt_len - 1, k + 1] array for the WHOLE prompt (cached
 rows included) and turns it into Python lists, so full_logprobs costs prompt_len x vocab per

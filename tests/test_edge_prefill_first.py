@@ -1,0 +1,315 @@
+"""Prefill first: the first verify call of a request carries the prompt alone (an empty block).
+
+Specification:
+- The first call's block is empty and answers the target's first token; every later call
+  carries a drafted block; the output is the target's (scripted drafter and verifier here; the
+  greedy-equality and chi-square suites run the real models with it on and off).
+- While that call is in flight the draft prefills the prompt and, with overlap, drafts ahead of
+  the first token (a hit starts the next block); with overlap off the draft waits for it.
+- It counts as a verify call with 0 drafted tokens, and the adaptive block length learns
+  nothing from it (its verifier time is the target's prefill, not a block's).
+- A verifier whose /health lacks ``accepts_empty_block`` (older: it refuses an empty block
+  with 400), or ``--no-prefill-first``, gets a drafted block first, as before.
+- With ``--fallback draft`` and the verifier unreachable, the failed prompt-only call is
+  followed by a drafted block, served unverified.
+- Seeds: the empty block's token at position n is drawn with position n's seeded draw, the very
+  draw of the verifier's target-only route, so for one seed the first token of a prefill-first
+  generation IS the target-only first token (not only equal in distribution); with prefill
+  first off the first token goes through the acceptance rule and may differ.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from edge_agent.draft_length import AdaptiveDraftLength, FixedDraftLength
+from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.metrics import EdgeMetrics
+from edge_support import RecordingTransport, in_process_engine
+from gateway.engine import GenerationRequest
+from gateway.errors import ServiceUnavailableError
+from gateway.protocol import SpadeStats
+from spade_core.params import SamplingConfig
+from test_edge_overlap import EOS, GREEDY, PROMPT, VOCAB, ScriptedDrafter, ScriptedVerifier, draft_rule, target_continuation, target_rule
+from verifier_service.protocol import VerifyResponse, VerifyTimings
+
+GATE_S = 30.0
+"""How long a held draft forward waits for the test before giving up (a failure, not a timing)."""
+PREFILL_S = 5.0
+"""What the scripted verifier reports for the prompt-only call (the target's prefill)."""
+
+
+class PrefillTimingVerifier(ScriptedVerifier):
+    """Reports a long verifier time for the prompt-only call, 1 ms for every block."""
+
+    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyResponse:
+        verdict = await super().verify(context, block, sampling, num_top_logprobs)
+        if block.token_ids:
+            return verdict
+        return verdict.model_copy(update={"timings": VerifyTimings(queue_ms=0.0, forward_ms=PREFILL_S * 1e3, total_ms=PREFILL_S * 1e3)})
+
+
+class OlderVerifier(ScriptedVerifier):
+    """Refuses an empty block, as a verifier from before prefill-first does (a 400)."""
+
+    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyResponse:
+        if not block.token_ids:
+            raise AssertionError("an empty block sent to a verifier that refuses it")
+        return await super().verify(context, block, sampling, num_top_logprobs)
+
+
+@dataclass
+class UnreachableVerifier(ScriptedVerifier):
+    """Every call fails as an unreachable verifier does; the blocks tried are kept."""
+
+    tried: list[list[int]] = field(default_factory=list)
+
+    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyResponse:
+        self.tried.append(list(block.token_ids))
+        raise ServiceUnavailableError("the verifier is gone", code="verifier_unavailable")
+
+
+def _engine(
+    drafter, verifier, *, overlap=True, prefill_first=True, accepts_empty_block=True, draft_length=None, fallback=False, metrics=None
+) -> SpeculativeEngine:
+    target = TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB, accepts_empty_block=accepts_empty_block)
+    return SpeculativeEngine(
+        drafter,
+        None,
+        verifier,
+        target,
+        draft_length or FixedDraftLength(4),
+        metrics or EdgeMetrics(),
+        fallback_to_draft=fallback,
+        overlap=overlap,
+        prefill_first=prefill_first,
+    )
+
+
+async def _generate(engine: SpeculativeEngine, max_tokens: int) -> tuple[list[int], SpadeStats]:
+    stats = SpadeStats()
+    request = GenerationRequest("r", PROMPT, max_tokens, GREEDY, frozenset({EOS}))
+    tokens = [token for batch in [batch async for batch in engine.generate(request, stats)] for token in batch.token_ids]
+    await engine.aclose()
+    return tokens, stats
+
+
+def _draft_continuation(prompt: list[int], num_tokens: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(num_tokens):
+        context.append(draft_rule(context))
+    return context[len(prompt) :]
+
+
+# --- the first call, scripted ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
+async def test_the_first_call_carries_the_prompt_alone_and_the_rest_drafted_blocks(overlap):
+    verifier = ScriptedVerifier(latency_s=0.05)
+    tokens, stats = await _generate(_engine(ScriptedDrafter(), verifier, overlap=overlap), 30)
+    assert tokens == target_continuation(PROMPT, 30)
+    assert verifier.verdicts[0] == (PROMPT, [], 0, target_rule(PROMPT))
+    assert all(block for _, block, _, _ in verifier.verdicts[1:])
+    # Counted as a verify call with 0 drafted tokens.
+    assert (stats.verify_calls, stats.drafted_tokens, stats.accepted_tokens) == (
+        len(verifier.verdicts),
+        sum(len(block) for _, block, _, _ in verifier.verdicts),
+        sum(accepted for _, _, accepted, _ in verifier.verdicts),
+    )
+
+
+async def test_while_the_prompt_only_call_is_out_the_draft_prefills_and_drafts_ahead():
+    drafter, verifier = ScriptedDrafter(), ScriptedVerifier(latency_s=0.2)
+    tokens, stats = await _generate(_engine(drafter, verifier), 30)
+    assert tokens == target_continuation(PROMPT, 30)
+    # The first draft forward runs over the prompt alone (the draft's prefill), one token at a
+    # time: the guess of the target's first token, then the block after it.
+    assert drafter.proposals[:5] == [(len(PROMPT) + offset, 1) for offset in range(5)]
+    # The guess was right (draft and target agree at this position): the second call's block is
+    # what was drafted ahead, with no drafting in line before it.
+    assert target_rule(PROMPT) == draft_rule(PROMPT) and stats.overlap_hits >= 1
+    first_token = verifier.verdicts[0][3]
+    assert verifier.verdicts[1][:2] == (PROMPT + [first_token], _draft_continuation(PROMPT + [first_token], 4))
+    assert (len(PROMPT) + 1, 4) not in drafter.proposals
+
+
+@dataclass
+class GatedDrafter(ScriptedDrafter):
+    """Its first proposal (the draft's prefill of the prompt) is held until the test opens the gate."""
+
+    gate: threading.Event = field(default_factory=threading.Event)
+    opened: list[bool] = field(default_factory=list)
+    """Per held proposal: True when the gate opened, False when it was still shut after GATE_S."""
+
+    def propose(self, context, num_tokens, sampling):
+        if not self.proposals:
+            self.opened.append(self.gate.wait(timeout=GATE_S))
+        return super().propose(context, num_tokens, sampling)
+
+
+async def test_the_first_token_does_not_wait_for_the_drafts_prefill():
+    """A target prefill shorter than the draft's (a GPU target): the first token goes out when
+    the verdict lands; the draft forward in progress joins what was drafted ahead afterwards."""
+    drafter = GatedDrafter()
+    engine = _engine(drafter, ScriptedVerifier(latency_s=0.01))
+    batches = engine.generate(GenerationRequest("r", PROMPT, 20, GREEDY, frozenset({EOS})), SpadeStats())
+    first = await anext(batches)  # had the engine waited for the held forward, this would take GATE_S
+    drafter.gate.set()
+    rest = [token async for batch in batches for token in batch.token_ids]
+    await engine.aclose()
+    assert first.token_ids + rest == target_continuation(PROMPT, 20)
+    assert drafter.opened == [True]
+    assert drafter.proposals[0] == (len(PROMPT), 1)
+
+
+async def test_without_overlap_the_draft_waits_for_the_first_token():
+    drafter = ScriptedDrafter()
+    tokens, stats = await _generate(_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=False), 20)
+    assert tokens == target_continuation(PROMPT, 20)
+    assert drafter.proposals[0] == (len(PROMPT) + 1, 4)
+    assert (stats.overlap_hits, stats.overlap_misses) == (0, 0)
+
+
+async def test_a_one_token_budget_is_the_prompt_only_call_alone():
+    drafter, verifier = ScriptedDrafter(), ScriptedVerifier(latency_s=0.01)
+    tokens, stats = await _generate(_engine(drafter, verifier), 1)
+    assert (tokens, stats.verify_calls, stats.drafted_tokens, drafter.proposals) == ([target_rule(PROMPT)], 1, 0, [])
+
+
+async def test_the_call_is_a_block_of_zero_on_metrics():
+    verifier, metrics = ScriptedVerifier(latency_s=0.01), EdgeMetrics()
+    _, stats = await _generate(_engine(ScriptedDrafter(), verifier, metrics=metrics), 20)
+    sample = metrics.registry.get_sample_value
+    assert sample("spade_edge_verify_calls_total") == stats.verify_calls == len(verifier.verdicts)
+    assert sample("spade_edge_draft_length_count") == stats.verify_calls
+    assert sample("spade_edge_draft_length_sum") == stats.drafted_tokens
+    assert sample("spade_edge_draft_length_bucket", {"le": "1.0"}) >= 1  # the block of 0
+
+
+async def test_the_adaptive_length_learns_nothing_from_the_prompt_only_call():
+    """Its verifier time is the prefill of the prompt: as a point of t_verify(d) it would make
+    blocks look seconds long."""
+    shared = AdaptiveDraftLength(max_length=8, overlap=True)
+    verifier = PrefillTimingVerifier(latency_s=0.01)
+    tokens, _ = await _generate(_engine(ScriptedDrafter(), verifier, draft_length=shared), 30)
+    assert tokens == target_continuation(PROMPT, 30)
+    assert verifier.verdicts[0][1] == [] and len(verifier.verdicts) > 1
+    assert 0 not in shared.verify_curve.points
+    assert max(average for average, _ in shared.verify_curve.points.values()) < PREFILL_S / 100
+
+
+# --- when not to: an older verifier, the setting off ----------------------------------------------
+
+
+@pytest.mark.parametrize(("prefill_first", "accepts_empty_block"), [(True, False), (False, True)], ids=["older-verifier", "setting-off"])
+async def test_otherwise_the_first_call_carries_a_drafted_block(prefill_first, accepts_empty_block):
+    verifier = OlderVerifier(latency_s=0.01)
+    engine = _engine(ScriptedDrafter(), verifier, prefill_first=prefill_first, accepts_empty_block=accepts_empty_block)
+    assert not engine.prefill_first
+    tokens, _ = await _generate(engine, 20)
+    assert tokens == target_continuation(PROMPT, 20)
+    assert verifier.verdicts[0][:2] == (PROMPT, _draft_continuation(PROMPT, 4))
+
+
+# --- fallback to the draft ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
+async def test_with_the_verifier_unreachable_a_drafted_block_is_served_instead(overlap):
+    verifier = UnreachableVerifier()
+    tokens, stats = await _generate(_engine(ScriptedDrafter(), verifier, overlap=overlap, fallback=True), 12)
+    assert tokens == _draft_continuation(PROMPT, 12)
+    assert (stats.fallback_tokens, stats.verify_calls) == (12, 0)
+    assert verifier.tried[0] == [] and all(verifier.tried[1:])
+
+
+async def test_without_fallback_the_failed_prompt_only_call_ends_the_request():
+    with pytest.raises(ServiceUnavailableError):
+        await _generate(_engine(ScriptedDrafter(), UnreachableVerifier()), 12)
+
+
+# --- the real models ------------------------------------------------------------------------------
+
+
+async def _first_tokens(pair, prefill_first: bool, seeds: range) -> tuple[list[int], list[int], list[dict]]:
+    """(the edge's first token, the verifier's target-only first token) per seed at temperature 1,
+    and the edge's verify calls."""
+    async with in_process_engine(pair, draft_length="3", edge_settings={"prefill_first": prefill_first}) as stack:
+        engine, target_only = stack.engine, stack.verifier.state.engine
+        prompt = engine.tokenizer.encode("The edge drafts")
+        edge, reference = [], []
+        for seed in seeds:
+            request = GenerationRequest(f"seed-{seed}", prompt, 2, SamplingConfig(temperature=1.0, seed=seed), engine.eos_token_ids)
+            edge.append(await _first_token(engine, request))
+            reference.append(await _first_token(target_only, request))
+        return edge, reference, stack.transport.verify_bodies
+
+
+async def _first_token(engine, request: GenerationRequest) -> int:
+    batches = engine.generate(request, SpadeStats())
+    try:
+        return (await anext(batches)).token_ids[0]
+    finally:
+        await batches.aclose()
+
+
+async def test_for_one_seed_the_first_token_is_the_target_only_first_token(tiny_pair):
+    edge, reference, bodies = await _first_tokens(tiny_pair, prefill_first=True, seeds=range(12))
+    assert edge == reference
+    assert len(set(reference)) > 1  # the seeds do draw different tokens
+    firsts = {}
+    for body in bodies:
+        firsts.setdefault(body["session_id"], body)
+    assert [body["draft_tokens"] for body in firsts.values()] == [[]] * 12
+
+
+async def test_without_prefill_first_the_first_token_goes_through_the_acceptance_rule(tiny_pair):
+    """The negative control: a drafted first block changes which draw picks the first token
+    (still the target's distribution), so some seeds give another token."""
+    edge, reference, bodies = await _first_tokens(tiny_pair, prefill_first=False, seeds=range(12))
+    assert edge != reference
+    assert all(body["draft_tokens"] for body in bodies)
+
+
+class OlderVerifierTransport(RecordingTransport):
+    """The verifier as one from before prefill-first: its /health lacks ``accepts_empty_block``
+    and it refuses an empty block with a 400 in the envelope."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/verify" and json.loads(request.content)["draft_tokens"] == []:
+            error = {"message": "draft_tokens must hold at least one token", "type": "invalid_request_error", "param": "draft_tokens"}
+            return httpx.Response(400, json={"error": error | {"code": None}})
+        response = await super().handle_async_request(request)
+        if request.url.path != "/health":
+            return response
+        health = json.loads(await response.aread())
+        del health["accepts_empty_block"]
+        return httpx.Response(response.status_code, json=health)
+
+
+async def test_against_an_older_verifier_the_edge_sends_a_drafted_block_first(tiny_pair):
+    async with in_process_engine(tiny_pair, transport_class=OlderVerifierTransport) as stack:
+        assert not stack.engine.prefill_first
+        prompt = stack.engine.tokenizer.encode("The edge drafts")
+        request = GenerationRequest("older", prompt, 12, GREEDY, stack.engine.eos_token_ids)
+        stats = SpadeStats()
+        tokens = [token async for batch in stack.engine.generate(request, stats) for token in batch.token_ids]
+        reference = [token async for batch in stack.verifier.state.engine.generate(request, SpadeStats()) for token in batch.token_ids]
+    assert tokens == reference
+    assert stack.transport.verify_bodies and all(body["draft_tokens"] for body in stack.transport.verify_bodies)
+
+
+async def test_against_this_verifier_the_edge_uses_it(tiny_pair):
+    """The same stack without the older verifier's /health: the positive control of the one above."""
+    async with in_process_engine(tiny_pair) as stack:
+        assert stack.engine.prefill_first
+        prompt = stack.engine.tokenizer.encode("The edge drafts")
+        request = GenerationRequest("current", prompt, 12, GREEDY, stack.engine.eos_token_ids)
+        _ = [batch async for batch in stack.engine.generate(request, SpadeStats())]
+    assert stack.transport.verify_bodies[0]["draft_tokens"] == []
