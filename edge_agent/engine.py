@@ -127,6 +127,7 @@ class SpeculativeEngine:
         num_generated = 0
         ahead: DraftAhead | None = None
         is_prompt_only = self._prefill_first
+        draft_prefilled = False  # a block was drafted for this request (the first one prefilled the draft)
         self._metrics.requests.inc()
         self._metrics.active_requests.inc()
         try:
@@ -137,8 +138,9 @@ class SpeculativeEngine:
                 await self._settle(ahead, stats)
                 self._count_overlap(stats, ahead, context)
                 block, drafting = await self._next_block(
-                    draft_session, context, num_drafted, request, ahead, first_block=num_generated == 0
+                    draft_session, context, num_drafted, request, ahead, first_block=not draft_prefilled
                 )
+                draft_prefilled = draft_prefilled or bool(block.token_ids)
                 ahead_limit = self._ahead_limit(lengths, remaining, len(context), num_drafted)
                 verdict, ahead = await self._verify_while_drafting_ahead(
                     draft_session, verifier_session, context, block, request, ahead_limit, stats
@@ -207,10 +209,10 @@ class SpeculativeEngine:
         first_block: bool = False,
     ) -> tuple[DraftBlock, Drafting]:
         """The block to verify next: what was drafted ahead for this context, completed by drafting now.
-        A request's first block also prefills the draft model over the prompt: its time is
-        exposed, but it is no measure of drafting per token (the controller's t_draft)."""
+        A request's first drafted block (in line, or ahead during the prompt-only call) also
+        prefilled the draft model over the prompt: no measure of drafting per token (t_draft)."""
         reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
-        per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids else None
+        per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids and not first_block else None
         if len(reused.token_ids) == num_drafted:
             return reused, Drafting(0.0, per_token_s)
         rest, draft_s = await self._draft(session, context + reused.token_ids, num_drafted - len(reused.token_ids), request)

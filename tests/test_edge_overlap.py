@@ -206,22 +206,27 @@ class RecordingLength(FixedDraftLength):
         self.outcomes.append(outcome)
 
 
+@pytest.mark.parametrize("prefill_first", [False, True], ids=["block-first", "prefill-first"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlap"])
-async def test_the_controller_gets_no_draft_rate_from_the_block_that_prefilled_the_draft(overlap):
-    # The first block's drafting includes the draft model's prefill over the prompt (seconds on a
-    # long prompt): as a per-token rate it would tell the controller drafting is that slow.
+async def test_the_controller_gets_no_draft_rate_from_the_block_that_prefilled_the_draft(overlap, prefill_first):
+    # The first drafted block (in line, or drafted ahead during the prompt-only call) includes the
+    # draft model's prefill over the prompt (seconds on a long prompt): as a per-token rate it
+    # would tell the controller drafting is that slow.
     lengths = RecordingLength(4)
     engine = SpeculativeEngine(
         ScriptedDrafter(),
         None,
         ScriptedVerifier(latency_s=0.01),
-        TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB),
+        TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB, accepts_empty_block=True),
         lengths,
         EdgeMetrics(),
         overlap=overlap,
+        prefill_first=prefill_first,
     )
     await _generate(engine, 30)
-    first, *later = lengths.outcomes
+    drafted = [outcome for outcome in lengths.outcomes if outcome.num_drafted > 0]
+    assert (len(drafted) < len(lengths.outcomes)) == prefill_first  # the prompt-only call: a block of 0
+    first, *later = drafted
     assert first.draft_s_per_token is None
     assert later and all(outcome.num_target_tokens == outcome.num_drafted + 1 for outcome in later)
     assert any(outcome.draft_s_per_token is not None for outcome in later)
