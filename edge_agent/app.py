@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 
 from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
 from edge_agent.draft_length import parse_draft_length
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.health import VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
@@ -28,6 +28,7 @@ from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
+from verifier_service.protocol import described_model
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ async def build_engine(
     except BaseException:
         await client.aclose()
         raise
-    draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length, settings.overlap)
+    # The verifier's limit caps the length once, here: the engine never drafts past it.
+    draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length, settings.overlap).within(health.max_draft_tokens)
     logger.info(
         "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
         draft.model_id,
@@ -73,12 +75,11 @@ async def build_engine(
         settings.verifier_url,
         settings.draft_length,
     )
-    target = TargetDescription.from_health(health)
     return SpeculativeEngine(
         drafter,
         draft.tokenizer,
         client,
-        target,
+        described_model(health),
         draft_length,
         metrics,
         settings.fallback == "draft",
@@ -127,7 +128,7 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
                 "status": status,
                 "verifier": "ok" if verifier_ok else "unreachable",
                 "fallback": settings.fallback,
-                "model": engine.model_id,
+                "model": engine.model.model_id,
                 "draft_model": settings.draft_model,
                 "draft_backend": request.app.state.draft_backend,
                 "verifier_url": settings.verifier_url,

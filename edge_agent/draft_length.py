@@ -26,7 +26,7 @@ Long round trips favour long blocks; poor acceptance and slow drafting favour sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DEFAULT_RELATIVE_SLOPE = 0.1
 """Before two block lengths have been timed, each drafted token is assumed to add this fraction
@@ -138,6 +138,10 @@ class FixedDraftLength:
     def for_request(self) -> FixedDraftLength:
         return self
 
+    def within(self, limit: int) -> FixedDraftLength:
+        """This length, or ``limit`` if shorter (the verifier's longest block)."""
+        return FixedDraftLength(min(self.length, limit))
+
     def next_length(self) -> int:
         return self.length
 
@@ -181,6 +185,10 @@ class AdaptiveDraftLength:
 
     def for_request(self) -> RequestDraftLength:
         return RequestDraftLength(self)
+
+    def within(self, limit: int) -> AdaptiveDraftLength:
+        """The same rule choosing at most ``limit`` (the verifier's longest block)."""
+        return replace(self, max_length=min(self.max_length, limit))
 
     def best_length(self, acceptance_rate: float) -> int:
         """argmax over d in [1, max_length] of expected tokens per second."""

@@ -15,40 +15,17 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
 from edge_agent.draft_length import AdaptiveDraftLength, BlockOutcome, FixedDraftLength
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifierSession
-from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport, TopLogprobs
+from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import ServiceUnavailableError
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from verifier_service.protocol import VerifierHealth, VerifyResponse
-
-
-@dataclass(frozen=True)
-class TargetDescription:
-    """What the edge serves is the target's output: its id, limits and end tokens."""
-
-    model_id: str
-    max_context_length: int
-    max_draft_tokens: int
-    eos_token_ids: frozenset[int]
-    vocab_size: int
-    logprobs_support: LogprobsSupport = "none"
-
-    @classmethod
-    def from_health(cls, health: VerifierHealth) -> TargetDescription:
-        return cls(
-            health.model,
-            health.max_context_length,
-            health.max_draft_tokens,
-            frozenset(health.eos_token_ids),
-            health.vocab_size,
-            health.logprobs_support,
-        )
+from verifier_service.protocol import VerifyResponse
 
 
 class SpeculativeEngine:
@@ -57,7 +34,7 @@ class SpeculativeEngine:
         drafter: Drafter,
         tokenizer,
         client: VerifierClient,
-        target: TargetDescription,
+        target: ModelDescription,
         draft_length: FixedDraftLength | AdaptiveDraftLength,
         metrics: EdgeMetrics,
         fallback_to_draft: bool = False,
@@ -76,28 +53,13 @@ class SpeculativeEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 
     @property
-    def model_id(self) -> str:
-        return self._target.model_id
+    def model(self) -> ModelDescription:
+        """The target's description (from the verifier's /health): what the edge serves."""
+        return self._target
 
     @property
     def tokenizer(self):
         return self._tokenizer
-
-    @property
-    def max_context_length(self) -> int:
-        return self._target.max_context_length
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._target.eos_token_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self._target.vocab_size
-
-    @property
-    def logprobs_support(self) -> LogprobsSupport:
-        return self._target.logprobs_support
 
     @property
     def verifier_reachable(self) -> bool:
@@ -143,10 +105,9 @@ class SpeculativeEngine:
 
     def block_length(self, chosen: int, remaining: int, context_length: int) -> int:
         """The controller's choice, capped by what the budget can use (a block of d yields up
-        to d + 1 tokens), the verifier's block limit and the context left (the verifier feeds
-        context + block, which must fit; the next token is not fed)."""
-        room = self._target.max_context_length - context_length
-        return max(1, min(chosen, remaining - 1, self._target.max_draft_tokens, room))
+        to d + 1 tokens) and the context left (``gateway.model``: context + block must fit).
+        Never below 1: the wire refuses empty blocks (the budget leaves room for that one)."""
+        return max(1, min(chosen, remaining - 1, self._target.room(context_length)))
 
     def _ahead_limit(self, lengths, remaining: int, context_length: int, num_drafted: int) -> int:
         """Tokens worth drafting past the block while it is verified: the guess of the target's
@@ -155,8 +116,8 @@ class SpeculativeEngine:
         left_after_hit = remaining - (num_drafted + 1)
         if not self._overlap or left_after_hit <= 0:
             return 0
-        room_after_hit = self._target.max_context_length - (context_length + num_drafted + 1)
-        next_block = min(lengths.next_length(), self._target.max_draft_tokens, left_after_hit - 1, room_after_hit)
+        room_after_hit = self._target.room(context_length + num_drafted + 1)
+        next_block = min(lengths.next_length(), left_after_hit - 1, room_after_hit)
         return 1 + max(0, next_block)
 
     @staticmethod

@@ -106,10 +106,10 @@ async def run_rounds(
     backend: VerifierBackend, draft: LoadedModel | None, config: BenchConfig, temperature: float, concurrency: int, label: str
 ) -> RunStats:
     rng = random.Random(config.seed)
-    vocab_size = backend.info.vocab_size
+    vocab_size = backend.model.vocab_size
     # Random tokens come from the tokenizer's table, as real text would (Qwen2.5's logits have
     # 151,936 rows, its tokenizer 151,665 tokens).
-    tokenizer = backend.info.tokenizer  # typed ``object`` in ModelInfo: a transformers tokenizer
+    tokenizer = backend.tokenizer
     if not isinstance(tokenizer, Sized):
         raise ValueError(f"{label}: the backend's tokenizer does not tell its number of tokens")
     num_real_tokens = min(vocab_size, len(tokenizer))

@@ -12,10 +12,11 @@ import pytest
 from edge_agent.draft_ahead import DraftAhead, join_blocks
 from edge_agent.draft_length import FixedDraftLength
 from edge_agent.drafter import DraftBlock
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import CallRecord
 from gateway.engine import GenerationRequest
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import SparseDistribution, VerifyResponse, VerifyTimings
@@ -114,7 +115,7 @@ PROMPT = [5, 11, 2]
 
 
 def _engine(drafter, verifier, overlap: bool, draft_length: int = 4) -> SpeculativeEngine:
-    target = TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB)
+    target = ModelDescription("target", VOCAB, 10_000, frozenset({EOS}))
     return SpeculativeEngine(drafter, None, verifier, target, FixedDraftLength(draft_length), EdgeMetrics(), overlap=overlap)
 
 

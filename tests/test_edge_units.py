@@ -8,8 +8,9 @@ import torch
 
 from edge_agent.draft_length import FixedDraftLength
 from edge_agent.drafter import ModelDrafter
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
+from gateway.model import ModelDescription
 from spade_core.params import SamplingConfig
 
 EOS = 9
@@ -32,8 +33,8 @@ def test_kept_tokens(emitted, remaining, kept):
     assert SpeculativeEngine.kept_tokens(emitted, remaining, frozenset({EOS})) == kept
 
 
-def _engine(draft_length: int = 5, max_context_length: int = 1000, max_draft_tokens: int = 64) -> SpeculativeEngine:
-    target = TargetDescription("target", max_context_length, max_draft_tokens, frozenset({EOS}), 384)
+def _engine(draft_length: int = 5, max_context_length: int = 1000) -> SpeculativeEngine:
+    target = ModelDescription("target", 384, max_context_length, frozenset({EOS}))
     return SpeculativeEngine(None, None, None, target, FixedDraftLength(draft_length), EdgeMetrics())
 
 
@@ -43,7 +44,6 @@ def _engine(draft_length: int = 5, max_context_length: int = 1000, max_draft_tok
         (dict(draft_length=5), 100, 10, 5),  # the controller's choice
         (dict(draft_length=5), 4, 10, 3),  # a block of 3 yields up to the 4 tokens left
         (dict(draft_length=5), 1, 10, 1),  # never an empty block
-        (dict(draft_length=5, max_draft_tokens=2), 100, 10, 2),  # the verifier's limit
         (dict(draft_length=5, max_context_length=64), 100, 60, 4),  # 60 + 4 drafted fed = 64
     ],
 )

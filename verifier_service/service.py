@@ -92,9 +92,9 @@ class VerifierService:
         self._check_token_ids(request.draft_tokens, "draft_tokens")
         if request.prefix_length == 0 and not request.new_tokens:
             raise InvalidRequestError("a call with prefix_length 0 must send the context in new_tokens", param="new_tokens")
-        self.validate_length(request.prefix_length + len(request.new_tokens), num_drafted)
+        self.backend.model.check_fits(request.prefix_length + len(request.new_tokens), num_drafted, param="draft_tokens")
         if request.num_top_logprobs is not None:
-            check_logprobs_support(self.backend.logprobs_support, request.sampling.to_config(), param="num_top_logprobs")
+            check_logprobs_support(self.backend.model.logprobs_support, request.sampling.to_config(), param="num_top_logprobs")
         if request.draft_probs is None:
             return None
         if len(request.draft_probs) != num_drafted:
@@ -103,25 +103,14 @@ class VerifierService:
             )
         return self._dense_draft_probs(request.draft_probs, request.draft_tokens)
 
-    def validate_length(self, context_length: int, num_drafted: int) -> None:
-        """The forward feeds context + block; the next token is emitted, not fed, so a block
-        may end exactly at the context limit (the last token of a full context is verifiable)."""
-        if context_length + num_drafted > self.backend.info.max_context_length:
-            raise InvalidRequestError(
-                f"context ({context_length}) + block ({num_drafted}) exceeds the target's "
-                f"maximum context length {self.backend.info.max_context_length}",
-                param="draft_tokens",
-                code="context_length_exceeded",
-            )
-
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = self.backend.info.vocab_size
+        vocab_size = self.backend.model.vocab_size
         bad = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
 
     def _dense_draft_probs(self, rows: list[SparseDistribution], draft_tokens: list[int]) -> torch.Tensor:
-        dense = torch.zeros(len(rows), self.backend.info.vocab_size, dtype=torch.float32)
+        dense = torch.zeros(len(rows), self.backend.model.vocab_size, dtype=torch.float32)
         for index, (row, drafted) in enumerate(zip(rows, draft_tokens, strict=True)):
             param = f"draft_probs.{index}"
             if len(row.token_ids) > self.limits.max_draft_support:
