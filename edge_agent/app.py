@@ -17,7 +17,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
-from edge_agent.draft_length import parse_draft_length
 from edge_agent.engine import SpeculativeEngine
 from edge_agent.health import VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
@@ -65,8 +64,8 @@ async def build_engine(
     except BaseException:
         await client.aclose()
         raise
-    # The verifier's limit caps the length once, here: the engine never drafts past it.
-    draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length, settings.overlap).within(health.max_draft_tokens)
+    # The verifier's limit caps the draft length once, here: the engine never drafts past it.
+    policy = settings.draft_length_policy().within(health.max_draft_tokens)
     logger.info(
         "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
         draft.model_id,
@@ -80,7 +79,7 @@ async def build_engine(
         draft.tokenizer,
         client,
         described_model(health),
-        draft_length,
+        policy,
         metrics,
         settings.fallback == "draft",
         settings.overlap,

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
-from edge_agent.draft_length import AdaptiveDraftLength, BlockOutcome, FixedDraftLength
+from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifierSession
@@ -35,7 +35,7 @@ class SpeculativeEngine:
         tokenizer,
         client: VerifierClient,
         target: ModelDescription,
-        draft_length: FixedDraftLength | AdaptiveDraftLength,
+        draft_length_policy: DraftLengthPolicy,
         metrics: EdgeMetrics,
         fallback_to_draft: bool = False,
         overlap: bool = False,
@@ -44,7 +44,7 @@ class SpeculativeEngine:
         self._tokenizer = tokenizer
         self._client = client
         self._target = target
-        self._draft_length = draft_length
+        self._draft_length_policy = draft_length_policy
         self._metrics = metrics
         self._fallback_to_draft = fallback_to_draft
         self._overlap = overlap
@@ -68,7 +68,7 @@ class SpeculativeEngine:
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         draft_session = self._drafter.start_session()
         verifier_session = self._client.open_session()
-        lengths = self._draft_length.for_request()
+        policy = self._draft_length_policy.for_request()
         context = list(request.prompt_token_ids)
         num_generated = 0
         ahead: DraftAhead | None = None
@@ -77,10 +77,10 @@ class SpeculativeEngine:
         try:
             while num_generated < request.max_tokens:
                 remaining = request.max_tokens - num_generated
-                num_drafted = self.block_length(lengths.next_length(), remaining, len(context))
+                num_drafted = self.draft_length(policy.next_length(), remaining, len(context))
                 self._count_overlap(stats, ahead, context)
                 block, drafting = await self._next_block(draft_session, context, num_drafted, request, ahead)
-                ahead_limit = self._ahead_limit(lengths, remaining, len(context), num_drafted)
+                ahead_limit = self._ahead_limit(policy, remaining, len(context), num_drafted)
                 verdict, ahead = await self._verify_while_drafting_ahead(
                     draft_session, verifier_session, context, block, request, ahead_limit, stats
                 )
@@ -89,7 +89,7 @@ class SpeculativeEngine:
                     stats.fallback_tokens += len(emitted)
                     stats.draft_ms += drafting.exposed_s * 1e3
                 else:
-                    self._record(stats, lengths, verifier_session, block, verdict, drafting)
+                    self._record(stats, policy, verifier_session, block, verdict, drafting)
                     emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
                 context += emitted
                 kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
@@ -103,13 +103,13 @@ class SpeculativeEngine:
             self._close_draft_session(draft_session)
             verifier_session.close()
 
-    def block_length(self, chosen: int, remaining: int, context_length: int) -> int:
-        """The controller's choice, capped by what the budget can use (a block of d yields up
+    def draft_length(self, chosen: int, remaining: int, context_length: int) -> int:
+        """The policy's choice, capped by what the budget can use (a block of d yields up
         to d + 1 tokens) and the context left (``gateway.model``: context + block must fit).
         Never below 1: the wire refuses empty blocks (the budget leaves room for that one)."""
         return max(1, min(chosen, remaining - 1, self._target.room(context_length)))
 
-    def _ahead_limit(self, lengths, remaining: int, context_length: int, num_drafted: int) -> int:
+    def _ahead_limit(self, policy, remaining: int, context_length: int, num_drafted: int) -> int:
         """Tokens worth drafting past the block while it is verified: the guess of the target's
         next token, then the next block, within what the budget and the context can still use.
         Example: 10 tokens left, a block of 4 -> at best 5 come back and 5 remain: the guess + 4."""
@@ -117,7 +117,7 @@ class SpeculativeEngine:
         if not self._overlap or left_after_hit <= 0:
             return 0
         room_after_hit = self._target.room(context_length + num_drafted + 1)
-        next_block = min(lengths.next_length(), left_after_hit - 1, room_after_hit)
+        next_block = min(policy.next_length(), left_after_hit - 1, room_after_hit)
         return 1 + max(0, next_block)
 
     @staticmethod
@@ -210,7 +210,7 @@ class SpeculativeEngine:
             self._metrics.overlap_misses.inc()
 
     def _record(
-        self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: Drafting
+        self, stats: SpadeStats, policy, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: Drafting
     ) -> None:
         call = session.records[-1]
         num_drafted = len(block.token_ids)
@@ -222,7 +222,7 @@ class SpeculativeEngine:
         stats.draft_ms += drafting.exposed_s * 1e3
         stats.verify_ms += call.round_trip_s * 1e3
         stats.verifier_forward_ms += verdict.timings.forward_ms
-        lengths.observe(
+        policy.observe(
             BlockOutcome(num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verdict.timings.total_ms / 1e3)
         )
         metrics = self._metrics
@@ -232,7 +232,7 @@ class SpeculativeEngine:
         metrics.accepted_tokens.inc(verdict.num_accepted)
         metrics.bytes_sent.inc(call.bytes_sent)
         metrics.bytes_received.inc(call.bytes_received)
-        metrics.draft_length.observe(num_drafted)
+        metrics.draft_lengths.observe(num_drafted)
         metrics.draft_seconds.observe(drafting.exposed_s)
         metrics.verify_seconds.observe(call.round_trip_s)
         metrics.verifier_forward_seconds.observe(verdict.timings.forward_ms / 1e3)

@@ -45,9 +45,9 @@ class EdgeMetrics:
         self.draft_ahead_tokens = Counter("spade_edge_draft_ahead_tokens", "Tokens drafted while a verify call was in flight", registry=r)
         self.bytes_sent = Counter("spade_edge_bytes_sent", "Request bytes sent to the verifier", registry=r)
         self.bytes_received = Counter("spade_edge_bytes_received", "Response bytes received from the verifier", registry=r)
-        self.draft_length = Histogram(
+        self.draft_lengths = Histogram(
             "spade_edge_draft_length",
-            "Tokens drafted per block",
+            "Draft length: tokens drafted per verify call",
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
             registry=r,
         )

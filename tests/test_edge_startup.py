@@ -77,7 +77,7 @@ async def test_a_verifier_with_the_same_tokenizer_is_accepted_and_its_model_adop
 def strict_verifier_edge(tiny_pair):
     """An edge configured for blocks of 8 with 32-token distributions, in front of a verifier
     that accepts at most 2 drafted tokens of at most 4 tokens' support per call."""
-    verifier = verifier_app(tiny_pair, max_draft_tokens=2, max_draft_support=4)
+    verifier = verifier_app(tiny_pair, max_draft_length=2, max_draft_support=4)
     with serve(verifier) as verifier_url, serve(edge_app(tiny_pair, verifier_url, "8", max_draft_support=32)) as edge_url:
         yield edge_url
 

@@ -41,15 +41,15 @@ def _engine(draft_length: int = 5, max_context_length: int = 1000) -> Speculativ
 @pytest.mark.parametrize(
     ("engine_arguments", "remaining", "context_length", "block"),
     [
-        (dict(draft_length=5), 100, 10, 5),  # the controller's choice
+        (dict(draft_length=5), 100, 10, 5),  # the policy's choice
         (dict(draft_length=5), 4, 10, 3),  # a block of 3 yields up to the 4 tokens left
         (dict(draft_length=5), 1, 10, 1),  # never an empty block
         (dict(draft_length=5, max_context_length=64), 100, 60, 4),  # 60 + 4 drafted fed = 64
     ],
 )
-def test_block_length(engine_arguments, remaining, context_length, block):
+def test_draft_length(engine_arguments, remaining, context_length, block):
     engine = _engine(**engine_arguments)
-    assert engine.block_length(engine_arguments["draft_length"], remaining, context_length) == block
+    assert engine.draft_length(engine_arguments["draft_length"], remaining, context_length) == block
 
 
 # The model drafter ------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def _add_verifier_routes(app: FastAPI) -> None:
                 vocab_size=0,
                 tokenizer_fingerprint="",
                 max_context_length=0,
-                max_draft_tokens=settings.max_draft_tokens,
+                max_draft_tokens=settings.max_draft_length,
                 max_draft_support=settings.max_draft_support,
                 eos_token_ids=[],
                 backend=settings.backend,
@@ -117,7 +117,7 @@ def _add_verifier_routes(app: FastAPI) -> None:
         body = VerifierHealth(
             status="ok",
             **model_fields(service.backend.model),
-            max_draft_tokens=service.limits.max_draft_tokens,
+            max_draft_tokens=service.limits.max_draft_length,
             max_draft_support=service.limits.max_draft_support,
             backend=service.backend.name,
         )

@@ -30,13 +30,13 @@ PROB_SUM_TOLERANCE = 1e-3
 
 @dataclass(frozen=True)
 class VerifyLimits:
-    max_draft_tokens: int = 64
-    """Longest drafted block accepted in one call."""
+    max_draft_length: int = 64
+    """Longest draft length (drafted tokens) accepted in one call."""
     max_draft_support: int = 256
     """Most tokens in one drafted position's sparse distribution."""
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 1 or self.max_draft_support < 1:
+        if self.max_draft_length < 1 or self.max_draft_support < 1:
             raise ValueError("verify limits must be positive")
 
 
@@ -84,9 +84,9 @@ class VerifierService:
         num_drafted = len(request.draft_tokens)
         if num_drafted == 0:
             raise InvalidRequestError("draft_tokens must hold at least one token", param="draft_tokens")
-        if num_drafted > self.limits.max_draft_tokens:
+        if num_drafted > self.limits.max_draft_length:
             raise InvalidRequestError(
-                f"at most {self.limits.max_draft_tokens} drafted tokens per call, got {num_drafted}", param="draft_tokens"
+                f"at most {self.limits.max_draft_length} drafted tokens per call, got {num_drafted}", param="draft_tokens"
             )
         self._check_token_ids(request.new_tokens, "new_tokens")
         self._check_token_ids(request.draft_tokens, "draft_tokens")
