@@ -20,12 +20,11 @@ from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_block
 from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.verifier_client import VerifierClient, VerifierSession
+from edge_agent.verifier_client import VerifierClient, VerifierSession, VerifyCall
 from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from verifier_service.protocol import VerifyResponse
 
 
 class SpeculativeEngine:
@@ -81,21 +80,23 @@ class SpeculativeEngine:
                 self._count_overlap(stats, ahead, context)
                 block, drafting = await self._next_block(draft_session, context, num_drafted, request, ahead)
                 ahead_limit = self._ahead_limit(policy, remaining, len(context), num_drafted)
-                verdict, ahead = await self._verify_while_drafting_ahead(
+                call, ahead = await self._verify_while_drafting_ahead(
                     draft_session, verifier_session, context, block, request, ahead_limit, stats
                 )
-                if verdict is None:  # verifier unreachable, serving the draft (--fallback draft)
+                if call is None:  # verifier unreachable, serving the draft (--fallback draft)
                     emitted = block.token_ids
                     stats.fallback_tokens += len(emitted)
                     stats.draft_ms += drafting.exposed_s * 1e3
                 else:
-                    self._record(stats, policy, verifier_session, block, verdict, drafting)
-                    emitted = block.token_ids[: verdict.num_accepted] + [verdict.next_token]
+                    count_call(stats, call, num_drafted, drafting)
+                    self._metrics.observe_call(call, num_drafted, drafting.exposed_s)
+                    policy.observe(block_outcome(call, num_drafted, drafting))
+                    emitted = block.token_ids[: call.verdict.num_accepted] + [call.verdict.next_token]
                 context += emitted
                 kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
                 num_generated += kept
                 self._metrics.generated_tokens.inc(kept)
-                yield generated_tokens(emitted[:kept], verdict if request.num_top_logprobs is not None else None)
+                yield generated_tokens(emitted[:kept], call if request.num_top_logprobs is not None else None)
                 if kept < len(emitted) or emitted[-1] in request.eos_token_ids:
                     return
         finally:
@@ -165,7 +166,7 @@ class SpeculativeEngine:
         request: GenerationRequest,
         ahead_limit: int,
         stats: SpadeStats,
-    ) -> tuple[VerifyResponse | None, DraftAhead | None]:
+    ) -> tuple[VerifyCall | None, DraftAhead | None]:
         """Send the block; until the verdict arrives, keep drafting past it one token at a time
         (a guess of the target's next token, then the block after it). A token in progress when
         the verdict lands is finished (the drafting thread cannot be interrupted mid-forward)."""
@@ -185,8 +186,8 @@ class SpeculativeEngine:
 
     async def _verify(
         self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest
-    ) -> VerifyResponse | None:
-        """The verdict; None when the verifier is unreachable and the edge falls back to the draft
+    ) -> VerifyCall | None:
+        """The verdict and its cost; None when the verifier is unreachable and the edge falls back to the draft
         (never for a request that asked for logprobs: the draft's tokens have no target logprob)."""
         try:
             return await session.verify(context, block, request.sampling, request.num_top_logprobs)
@@ -209,34 +210,6 @@ class SpeculativeEngine:
             stats.overlap_misses += 1
             self._metrics.overlap_misses.inc()
 
-    def _record(
-        self, stats: SpadeStats, policy, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: Drafting
-    ) -> None:
-        call = session.records[-1]
-        num_drafted = len(block.token_ids)
-        stats.verify_calls += 1
-        stats.drafted_tokens += num_drafted
-        stats.accepted_tokens += verdict.num_accepted
-        stats.target_tokens += verdict.num_target_tokens
-        stats.resyncs += int(call.resynced)
-        stats.draft_ms += drafting.exposed_s * 1e3
-        stats.verify_ms += call.round_trip_s * 1e3
-        stats.verifier_forward_ms += verdict.timings.forward_ms
-        policy.observe(
-            BlockOutcome(num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verdict.timings.total_ms / 1e3)
-        )
-        metrics = self._metrics
-        metrics.verify_calls.inc()
-        metrics.resyncs.inc(int(call.resynced))
-        metrics.drafted_tokens.inc(num_drafted)
-        metrics.accepted_tokens.inc(verdict.num_accepted)
-        metrics.bytes_sent.inc(call.bytes_sent)
-        metrics.bytes_received.inc(call.bytes_received)
-        metrics.draft_lengths.observe(num_drafted)
-        metrics.draft_seconds.observe(drafting.exposed_s)
-        metrics.verify_seconds.observe(call.round_trip_s)
-        metrics.verifier_forward_seconds.observe(verdict.timings.forward_ms / 1e3)
-
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self._client.aclose()
@@ -245,10 +218,30 @@ class SpeculativeEngine:
         await asyncio.to_thread(self._drafter.close)
 
 
-def generated_tokens(token_ids: list[int], verdict: VerifyResponse | None) -> GeneratedTokens:
+def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: Drafting) -> None:
+    """The request's own account of one verified block (the ``spade`` object of its response)."""
+    verdict = call.verdict
+    stats.verify_calls += 1
+    stats.drafted_tokens += num_drafted
+    stats.accepted_tokens += verdict.num_accepted
+    stats.target_tokens += verdict.num_target_tokens
+    stats.resyncs += int(call.resynced)
+    stats.draft_ms += drafting.exposed_s * 1e3
+    stats.verify_ms += call.round_trip_s * 1e3
+    stats.verifier_forward_ms += verdict.timings.forward_ms
+
+
+def block_outcome(call: VerifyCall, num_drafted: int, drafting: Drafting) -> BlockOutcome:
+    """What the verified block teaches the draft-length policy."""
+    verifier_s = call.verdict.timings.total_ms / 1e3
+    return BlockOutcome(num_drafted, call.verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verifier_s)
+
+
+def generated_tokens(token_ids: list[int], call: VerifyCall | None) -> GeneratedTokens:
     """The tokens to deliver, with the verdict's logprobs for them when the request asked (the
     verdict is then one that carries them: the client checks)."""
-    if verdict is None:
+    if call is None:
         return GeneratedTokens(token_ids)
+    verdict = call.verdict
     top_logprobs: list[TopLogprobs] = [list(zip(top.token_ids, top.logprobs, strict=True)) for top in verdict.top_logprobs or []]
     return GeneratedTokens(token_ids, verdict.logprobs[: len(token_ids)], top_logprobs[: len(token_ids)])
