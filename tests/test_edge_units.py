@@ -1,6 +1,6 @@
 """Units of the edge agent: the engine's block and budget arithmetic, the account of a verified
-block (stats, metrics, policy), and the model drafter
-(greedy proposals, KV cache reuse, sampled distributions)."""
+block (stats, metrics, policy), and the model drafter (greedy proposals, KV cache reuse,
+sampled distributions)."""
 
 from __future__ import annotations
 
