@@ -36,7 +36,8 @@ from typing import Literal
 
 DEFAULT_RELATIVE_SLOPE = 0.1
 """Before two draft lengths have been timed, each drafted token is assumed to add this fraction
-of a one-token verify (about what a 2-core CPU shows for the 1.5B target: 9 tokens ~ 1.8x)."""
+of a one-token verify (about what a CPU target shows: docs/benchmarks.md, "Component
+measurements"; a GPU target adds less, and the learned line replaces it)."""
 MAX_POINT_WEIGHT = 20
 """A draft length's weight in the line fit stops growing after this many observations."""
 

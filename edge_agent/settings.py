@@ -36,8 +36,8 @@ class EdgeSettings(ServiceSettings):
         ge=1,
         le=256,
         description=(
-            "llama.cpp draft backend: requests drafting at once (sequences of its shared KV cache, about 0.6 "
-            "MB each); more are answered 429. Keep it above --max-concurrent-requests (a session closes a "
+            "llama.cpp draft backend: requests drafting at once (sequences of its one shared KV cache, each "
+            "adding little); more are answered 429. Keep it above --max-concurrent-requests (a session closes a "
             "moment after its request ends)."
         ),
     )

@@ -275,8 +275,8 @@ def tokenizer_dir(cache_dir: Path, key: str) -> Path:
 def load_tokenizer(source: ModelSource):
     """The tokenizer alone, without the weights.
 
-    Reading it out of a GGUF file takes 10-40 s (gguf-py parses the token table in Python:
-    12 s for SmolLM2's 49k tokens, 37 s for Qwen's 152k on 2 busy cores), so it is read from
+    Reading it out of a GGUF file takes tens of seconds (gguf-py parses the token table in
+    Python; docs/benchmarks.md, "Component measurements"), so it is read from
     a converted directory of the same file when there is one (any dtype: the tokenizer is the
     same), else from the file once and saved alone under ``<cache>/converted/<key>-tokenizer/``."""
     gguf = _resolve_gguf(source)

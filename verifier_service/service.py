@@ -110,7 +110,6 @@ class VerifierService:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
 
     def _dense_draft_probs(self, rows: list[SparseDistribution], draft_tokens: list[int]) -> torch.Tensor:
-        dense = torch.zeros(len(rows), self.backend.model.vocab_size, dtype=torch.float32)
         for index, (row, drafted) in enumerate(zip(rows, draft_tokens, strict=True)):
             param = f"draft_probs.{index}"
             if len(row.token_ids) > self.limits.max_draft_support:
@@ -124,8 +123,7 @@ class VerifierService:
             support = dict(zip(row.token_ids, row.probs, strict=True))
             if support.get(drafted, 0.0) <= 0:
                 raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
-            dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / total
-        return dense
+        return dense_draft_probs(rows, self.backend.model.vocab_size)
 
     def _session_for(self, request: VerifyRequest) -> Session:
         if request.prefix_length == 0:
@@ -182,3 +180,12 @@ class VerifierService:
         for session_id in session_ids:
             self.backend.release_session(session_id)
         self.metrics.sessions.set(len(self.sessions))
+
+
+def dense_draft_probs(rows: list[SparseDistribution], vocab_size: int) -> torch.Tensor:
+    """The drafted distributions as a backend takes them: [len(rows), vocab_size] float32, each
+    sparse row spread over the vocabulary and renormalised (it sums to 1 within PROB_SUM_TOLERANCE)."""
+    dense = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    for index, row in enumerate(rows):
+        dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / math.fsum(row.probs)
+    return dense

@@ -30,15 +30,17 @@ Temperature > 0, two exact routes:
                    temperature/top-k/top-p transform on those raw logprobs, then the shared
                    acceptance rule with the edge's draft probabilities and position uniforms.
 
-Why sample_match (spade_bench/backend_bench.py, 2 CPU cores, fp32, 512-token contexts, 8 drafted):
-vLLM returns prompt logprobs as a [prompt_len - 1, k + 1] array for the WHOLE prompt (cached
-rows included) and turns it into Python lists, so full_logprobs costs prompt_len x vocab per
-call: 108 ms a call on the 384-token tiny vocabulary (sample_match: 29 ms) and 7.9 s on a
-32,768-token vocabulary (sample_match: 18 ms); at Qwen2.5's 151,936 it is out of reach. Its
-higher acceptance (tiny pair at temperature 1: 2.3 vs 0.9 drafted tokens per call) does not pay
-for that. sample_match's price is d + 1 requests, each recomputing its last partial block: on
-Qwen2.5-Coder-1.5B (fp32, CPU, 256-token contexts) 1.7 s a call against 0.68 s for a greedy
-scoring call (~50 vs ~10 target tokens computed).
+Why sample_match: vLLM returns prompt logprobs as a [prompt_len - 1, k + 1] array for the WHOLE
+prompt (cached rows included) and turns it into Python lists, so full_logprobs costs
+prompt_len x vocab per call: slower than sample_match already on a tiny vocabulary, by orders of
+magnitude on a 32k one, out of reach at Qwen2.5's 151,936; its higher acceptance does not pay for
+that. sample_match's price is d + 1 requests, each recomputing its last partial block, several
+times the target tokens of one greedy scoring call. The figures (spade_bench/backend_bench.py):
+README, "The vLLM backend", and docs/benchmarks.md, "Component measurements".
+
+Context length: vLLM refuses a prompt that leaves no room for a generated token, and a scoring
+call's prompt is the whole context + block, so the model is described with a context one token
+shorter than max_model_len; the service's one rule (``gateway.model``) then holds for vLLM too.
 
 Logprobs (blocks with num_top_logprobs). Temperature 0, both routes: vLLM's raw logprobs are our
 definition (spade_core.sampling.reported_logprobs), so the rows above are read with N
