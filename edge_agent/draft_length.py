@@ -223,7 +223,7 @@ class AdaptiveDraftLength:
 
 @dataclass
 class RequestDraftLength:
-    """One request's controller: its own acceptance estimate, started from the shared prior."""
+    """One request's policy: its own acceptance estimate, started from the shared prior."""
 
     shared: AdaptiveDraftLength
     accepted_per_block: float = field(init=False)
@@ -257,8 +257,9 @@ class RequestDraftLength:
 
 
 DraftLengthPolicy = FixedDraftLength | AdaptiveDraftLength
-"""What chooses the draft length: ``for_request()`` gives the request's controller, which
-answers ``next_length()`` before each block and ``observe``s each verified block."""
+"""What chooses the draft length, service-wide: ``for_request()`` gives one request's own policy
+(a fixed length is its own), which answers ``next_length()`` before each block and
+``observe``s each verified block."""
 
 
 def parse_draft_length(value: object) -> int | Literal["auto"]:

@@ -88,7 +88,7 @@ class EdgeSettings(ServiceSettings):
         return parse_draft_length(value)
 
     def draft_length_policy(self) -> DraftLengthPolicy:
-        """The controller choosing each block's draft length (not yet capped by the verifier)."""
+        """The policy choosing each block's draft length (not yet capped by the verifier)."""
         return draft_length_policy(self.draft_length, self.max_draft_length, self.overlap)
 
     def client_settings(self) -> ClientSettings:

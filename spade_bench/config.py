@@ -109,7 +109,7 @@ class BenchConfig:
     """0 is greedy (Spec-Bench's protocol); the identical-output check only applies then."""
     seed: int = 0
     startup_timeout_s: float = 900.0
-    """Waiting for a service's /health (loading a GGUF model on 2 cores takes about a minute)."""
+    """Waiting for a service's /health (loading a GGUF model on a small machine takes a while)."""
     request_timeout_s: float = 1800.0
     warmup_tokens: int = 4
     """Each phase starts with one unrecorded request of this many tokens (0: none)."""

@@ -39,7 +39,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
         from verifier_service.backends.transformers_backend import TransformersBackend
 
         loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
-        # In a thread too: the CPU kernels may be compiled here (about a second, once per machine).
+        # In a thread too: the CPU kernels may be compiled here (a C compile, once per machine).
         transformers_backend = await asyncio.to_thread(
             TransformersBackend,
             loaded,
