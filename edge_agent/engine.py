@@ -187,8 +187,9 @@ class SpeculativeEngine:
     async def _verify(
         self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest
     ) -> VerifyCall | None:
-        """The verdict and its cost; None when the verifier is unreachable and the edge falls back to the draft
-        (never for a request that asked for logprobs: the draft's tokens have no target logprob)."""
+        """The verdict and what the call cost; None when the verifier is unreachable and the edge
+        falls back to the draft (never for a request that asked for logprobs: the draft's tokens
+        have no target logprob)."""
         try:
             return await session.verify(context, block, request.sampling, request.num_top_logprobs)
         except ServiceUnavailableError:
