@@ -17,8 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
-from edge_agent.draft_length import parse_draft_length
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.health import VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
@@ -28,6 +27,7 @@ from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
+from verifier_service.protocol import described_model
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ async def build_engine(
     except BaseException:
         await client.aclose()
         raise
-    draft_length = parse_draft_length(settings.draft_length, settings.max_draft_length, settings.overlap)
+    # The verifier's limit caps the draft length once, here: the engine never drafts past it.
+    policy = settings.draft_length_policy().within(health.max_draft_tokens)
     logger.info(
         "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
         draft.model_id,
@@ -73,19 +74,18 @@ async def build_engine(
         settings.verifier_url,
         settings.draft_length,
     )
-    target = TargetDescription.from_health(health)
-    if settings.prefill_first and not target.accepts_empty_block:
+    if settings.prefill_first and not health.accepts_empty_block:
         logger.info("the verifier takes no empty block (a version before prefill-first): first calls carry a drafted block")
     return SpeculativeEngine(
         drafter,
         draft.tokenizer,
         client,
-        target,
-        draft_length,
+        described_model(health),
+        policy,
         metrics,
         settings.fallback == "draft",
         settings.overlap,
-        settings.prefill_first,
+        settings.prefill_first and health.accepts_empty_block,
     )
 
 
@@ -130,7 +130,7 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
                 "status": status,
                 "verifier": "ok" if verifier_ok else "unreachable",
                 "fallback": settings.fallback,
-                "model": engine.model_id,
+                "model": engine.model.model_id,
                 "draft_model": settings.draft_model,
                 "draft_backend": request.app.state.draft_backend,
                 "verifier_url": settings.verifier_url,

@@ -1,4 +1,9 @@
-"""How many tokens to draft per verify call: fixed, or chosen for speed.
+"""The draft length d, the tokens drafted per verify call: fixed, or chosen for speed.
+
+Vocabulary, the same everywhere: the *draft length* is how many tokens are drafted for one
+verify call (``--draft-length``, its bound ``--max-draft-length`` on both services, the metric
+``spade_edge_draft_length``); ``num_drafted`` counts the tokens of one given block; a
+*draft-length policy* (``DraftLengthPolicy``) chooses it.
 
 The adaptive rule picks, before each block, the length d that maximises expected tokens per
 second of wall time:
@@ -26,13 +31,15 @@ Long round trips favour long blocks; poor acceptance and slow drafting favour sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
 DEFAULT_RELATIVE_SLOPE = 0.1
-"""Before two block lengths have been timed, each drafted token is assumed to add this fraction
-of a one-token verify (about what a 2-core CPU shows for the 1.5B target: 9 tokens ~ 1.8x)."""
+"""Before two draft lengths have been timed, each drafted token is assumed to add this fraction
+of a one-token verify (about what a CPU target shows: docs/benchmarks.md, "Component
+measurements"; a GPU target adds less, and the learned line replaces it)."""
 MAX_POINT_WEIGHT = 20
-"""A block length's weight in the line fit stops growing after this many observations."""
+"""A draft length's weight in the line fit stops growing after this many observations."""
 
 
 def expected_tokens(acceptance_rate: float, num_drafted: int) -> float:
@@ -80,7 +87,7 @@ class VerifyTimeCurve:
     """t_verify(1) until something is measured."""
     smoothing: float = 0.2
     points: dict[int, tuple[float, int]] = field(default_factory=dict)
-    """block length -> (moving average of its seconds, observations)."""
+    """draft length -> (moving average of its seconds, observations)."""
 
     def observe(self, num_drafted: int, seconds: float) -> None:
         average, count = self.points.get(num_drafted, (seconds, 0))
@@ -147,6 +154,10 @@ class FixedDraftLength:
     def for_request(self) -> FixedDraftLength:
         return self
 
+    def within(self, limit: int) -> FixedDraftLength:
+        """This length, or ``limit`` if shorter (the verifier's longest block)."""
+        return FixedDraftLength(min(self.length, limit))
+
     def next_length(self) -> int:
         return self.length
 
@@ -191,6 +202,10 @@ class AdaptiveDraftLength:
     def for_request(self) -> RequestDraftLength:
         return RequestDraftLength(self)
 
+    def within(self, limit: int) -> AdaptiveDraftLength:
+        """The same rule choosing at most ``limit`` (the verifier's longest block)."""
+        return replace(self, max_length=min(self.max_length, limit))
+
     def best_length(self, acceptance_rate: float) -> int:
         """argmax over d in [1, max_length] of expected tokens per second."""
 
@@ -221,7 +236,7 @@ class AdaptiveDraftLength:
 
 @dataclass
 class RequestDraftLength:
-    """One request's controller: its own acceptance estimate, started from the shared prior."""
+    """One request's policy: its own acceptance estimate, started from the shared prior."""
 
     shared: AdaptiveDraftLength
     accepted_per_block: float = field(init=False)
@@ -256,11 +271,27 @@ class RequestDraftLength:
         self.shared.observe_times(outcome)
 
 
-def parse_draft_length(value: str | int, max_length: int, overlap: bool = False) -> FixedDraftLength | AdaptiveDraftLength:
-    """``"auto"`` -> adaptive (up to max_length), an integer -> fixed."""
-    if str(value).strip().lower() == "auto":
-        return AdaptiveDraftLength(max_length=max_length, overlap=overlap)
+DraftLengthPolicy = FixedDraftLength | AdaptiveDraftLength
+"""What chooses the draft length, service-wide: ``for_request()`` gives one request's own policy
+(a fixed length is its own), which answers ``next_length()`` before each block and
+``observe``s each verified block."""
+
+
+def parse_draft_length(value: object) -> int | Literal["auto"]:
+    """The ``--draft-length`` setting: ``"auto"`` (any case) or a positive integer (or its text)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     try:
-        return FixedDraftLength(int(value))
+        length = int(value) if isinstance(value, int | str) and not isinstance(value, bool) else 0
     except ValueError:
-        raise ValueError(f"draft length must be a positive integer or 'auto', got {value!r}") from None
+        length = 0
+    if length < 1:
+        raise ValueError(f"draft length must be a positive integer or 'auto', got {value!r}")
+    return length
+
+
+def draft_length_policy(draft_length: int | Literal["auto"], max_draft_length: int, overlap: bool = False) -> DraftLengthPolicy:
+    """``"auto"`` -> adaptive (up to ``max_draft_length``), an integer -> fixed."""
+    if draft_length == "auto":
+        return AdaptiveDraftLength(max_length=max_draft_length, overlap=overlap)
+    return FixedDraftLength(draft_length)

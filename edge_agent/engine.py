@@ -21,43 +21,16 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
-from edge_agent.draft_length import AdaptiveDraftLength, BlockOutcome, FixedDraftLength
+from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.verifier_client import VerifierClient, VerifierSession
-from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport, TopLogprobs
+from edge_agent.verifier_client import VerifierClient, VerifierSession, VerifyCall
+from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import ServiceUnavailableError
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from verifier_service.protocol import VerifierHealth, VerifyResponse
-
-
-@dataclass(frozen=True)
-class TargetDescription:
-    """What the edge serves is the target's output: its id, limits and end tokens."""
-
-    model_id: str
-    max_context_length: int
-    max_draft_tokens: int
-    eos_token_ids: frozenset[int]
-    vocab_size: int
-    logprobs_support: LogprobsSupport = "none"
-    accepts_empty_block: bool = False
-    """The verifier takes a verify call with no drafted token (the prompt-only first call)."""
-
-    @classmethod
-    def from_health(cls, health: VerifierHealth) -> TargetDescription:
-        return cls(
-            health.model,
-            health.max_context_length,
-            health.max_draft_tokens,
-            frozenset(health.eos_token_ids),
-            health.vocab_size,
-            health.logprobs_support,
-            health.accepts_empty_block,
-        )
 
 
 class SpeculativeEngine:
@@ -66,8 +39,8 @@ class SpeculativeEngine:
         drafter: Drafter,
         tokenizer,
         client: VerifierClient,
-        target: TargetDescription,
-        draft_length: FixedDraftLength | AdaptiveDraftLength,
+        target: ModelDescription,
+        draft_length_policy: DraftLengthPolicy,
         metrics: EdgeMetrics,
         fallback_to_draft: bool = False,
         overlap: bool = False,
@@ -77,38 +50,24 @@ class SpeculativeEngine:
         self._tokenizer = tokenizer
         self._client = client
         self._target = target
-        self._draft_length = draft_length
+        self._draft_length_policy = draft_length_policy
         self._metrics = metrics
         self._fallback_to_draft = fallback_to_draft
         self._overlap = overlap
         """Draft the next block while the verifier checks this one."""
-        self._prefill_first = prefill_first and target.accepts_empty_block
+        self._prefill_first = prefill_first
+        """The first verify call carries the prompt alone (the caller checked the verifier takes an empty block)."""
         # One drafting thread: draft forwards stay off the event loop, in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 
     @property
-    def model_id(self) -> str:
-        return self._target.model_id
+    def model(self) -> ModelDescription:
+        """The target's description (from the verifier's /health): what the edge serves."""
+        return self._target
 
     @property
     def tokenizer(self):
         return self._tokenizer
-
-    @property
-    def max_context_length(self) -> int:
-        return self._target.max_context_length
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._target.eos_token_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self._target.vocab_size
-
-    @property
-    def logprobs_support(self) -> LogprobsSupport:
-        return self._target.logprobs_support
 
     @property
     def verifier_reachable(self) -> bool:
@@ -116,13 +75,13 @@ class SpeculativeEngine:
 
     @property
     def prefill_first(self) -> bool:
-        """The first verify call of a request carries the prompt alone (asked for, and the verifier accepts it)."""
+        """The first verify call of a request carries the prompt alone."""
         return self._prefill_first
 
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         draft_session = self._drafter.start_session()
         verifier_session = self._client.open_session()
-        lengths = self._draft_length.for_request()
+        policy = self._draft_length_policy.for_request()
         context = list(request.prompt_token_ids)
         num_generated = 0
         ahead: DraftAhead | None = None
@@ -133,7 +92,7 @@ class SpeculativeEngine:
         try:
             while num_generated < request.max_tokens:
                 remaining = request.max_tokens - num_generated
-                num_drafted = 0 if is_prompt_only else self.block_length(lengths.next_length(), remaining, len(context))
+                num_drafted = 0 if is_prompt_only else self.draft_length(policy.next_length(), remaining, len(context))
                 is_prompt_only = False
                 await self._settle(ahead, stats)
                 self._count_overlap(stats, ahead, context)
@@ -141,11 +100,11 @@ class SpeculativeEngine:
                     draft_session, context, num_drafted, request, ahead, first_block=not draft_prefilled
                 )
                 draft_prefilled = draft_prefilled or bool(block.token_ids)
-                ahead_limit = self._ahead_limit(lengths, remaining, len(context), num_drafted)
-                verdict, ahead = await self._verify_while_drafting_ahead(
+                ahead_limit = self._ahead_limit(policy, remaining, len(context), num_drafted)
+                call, ahead = await self._verify_while_drafting_ahead(
                     draft_session, verifier_session, context, block, request, ahead_limit, stats
                 )
-                emitted = self._committed(stats, lengths, verifier_session, block, verdict, drafting)
+                emitted = self._committed(stats, policy, block, call, drafting)
                 if not emitted:  # the prompt-only call fell back to the draft: draft a block and serve that
                     self._discard(ahead)
                     ahead = None
@@ -154,7 +113,7 @@ class SpeculativeEngine:
                 kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
                 num_generated += kept
                 self._metrics.generated_tokens.inc(kept)
-                yield generated_tokens(emitted[:kept], verdict if request.num_top_logprobs is not None else None)
+                yield generated_tokens(emitted[:kept], call if request.num_top_logprobs is not None else None)
                 if kept < len(emitted) or emitted[-1] in request.eos_token_ids:
                     return
         finally:
@@ -163,14 +122,13 @@ class SpeculativeEngine:
             self._close_draft_session(draft_session)
             verifier_session.close()
 
-    def block_length(self, chosen: int, remaining: int, context_length: int) -> int:
-        """The controller's choice, capped by what the budget can use (a block of d yields up
-        to d + 1 tokens), the verifier's block limit and the context left (the verifier feeds
-        context + block, which must fit; the next token is not fed)."""
-        room = self._target.max_context_length - context_length
-        return max(1, min(chosen, remaining - 1, self._target.max_draft_tokens, room))
+    def draft_length(self, chosen: int, remaining: int, context_length: int) -> int:
+        """The policy's choice, capped by what the budget can use (a block of d yields up
+        to d + 1 tokens) and the context left (``gateway.model``: context + block must fit).
+        Never below 1 (an empty block is only the prompt-only first call's, decided in ``generate``)."""
+        return max(1, min(chosen, remaining - 1, self._target.room(context_length)))
 
-    def _ahead_limit(self, lengths, remaining: int, context_length: int, num_drafted: int) -> int:
+    def _ahead_limit(self, policy, remaining: int, context_length: int, num_drafted: int) -> int:
         """Tokens worth drafting past the block while it is verified: the guess of the target's
         next token, then the next block, within what the budget and the context can still use.
         Example: 10 tokens left, a block of 4 -> at best 5 come back and 5 remain: the guess + 4.
@@ -179,8 +137,8 @@ class SpeculativeEngine:
         left_after_hit = remaining - (num_drafted + 1)
         if not self._overlap or left_after_hit <= 0:
             return 0
-        room_after_hit = self._target.max_context_length - (context_length + num_drafted + 1)
-        next_block = min(lengths.next_length(), self._target.max_draft_tokens, left_after_hit - 1, room_after_hit)
+        room_after_hit = self._target.room(context_length + num_drafted + 1)
+        next_block = min(policy.next_length(), left_after_hit - 1, room_after_hit)
         return 1 + max(0, next_block)
 
     @staticmethod
@@ -236,7 +194,7 @@ class SpeculativeEngine:
         request: GenerationRequest,
         ahead_limit: int,
         stats: SpadeStats,
-    ) -> tuple[VerifyResponse | None, DraftAhead | None]:
+    ) -> tuple[VerifyCall | None, DraftAhead | None]:
         """Send the block; until the verdict arrives, keep drafting past it one token at a time
         (a guess of the target's next token, then the block after it). A token in progress when
         the verdict lands is left pending (``DraftAhead.settle`` takes it before the next block):
@@ -252,20 +210,21 @@ class SpeculativeEngine:
                 await ahead.settle()
             self._metrics.draft_ahead_tokens.inc(len(ahead.token_ids))
             stats.draft_ahead_ms += ahead.seconds * 1e3
-            verdict = await verifying
+            call = await verifying
         except BaseException:
             ahead.discard()
             raise
         finally:
             if not verifying.done():  # the request was cancelled (client gone): so is its call
                 verifying.cancel()
-        return verdict, (ahead if ahead.token_ids or ahead.pending is not None else None)
+        return call, (ahead if ahead.token_ids or ahead.pending is not None else None)
 
     async def _verify(
         self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest
-    ) -> VerifyResponse | None:
-        """The verdict; None when the verifier is unreachable and the edge falls back to the draft
-        (never for a request that asked for logprobs: the draft's tokens have no target logprob)."""
+    ) -> VerifyCall | None:
+        """The verdict and what the call cost; None when the verifier is unreachable and the edge
+        falls back to the draft (never for a request that asked for logprobs: the draft's tokens
+        have no target logprob)."""
         try:
             return await session.verify(context, block, request.sampling, request.num_top_logprobs)
         except ServiceUnavailableError:
@@ -275,17 +234,18 @@ class SpeculativeEngine:
             self._metrics.fallback_tokens.inc(len(block.token_ids))
             return None
 
-    def _committed(
-        self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse | None, drafting: Drafting
-    ) -> list[int]:
+    def _committed(self, stats: SpadeStats, policy, block: DraftBlock, call: VerifyCall | None, drafting: Drafting) -> list[int]:
         """The tokens the call commits: the accepted drafts and the next token; with no verdict
         (verifier unreachable, --fallback draft) the draft's own block, unverified."""
-        if verdict is None:
+        if call is None:
             stats.fallback_tokens += len(block.token_ids)
             stats.draft_ms += drafting.exposed_s * 1e3
             return block.token_ids
-        self._record(stats, lengths, session, block, verdict, drafting)
-        return block.token_ids[: verdict.num_accepted] + [verdict.next_token]
+        num_drafted = len(block.token_ids)
+        count_call(stats, call, num_drafted, drafting)
+        self._metrics.observe_call(call, num_drafted, drafting.exposed_s)
+        policy.observe(block_outcome(call, num_drafted, drafting))
+        return block.token_ids[: call.verdict.num_accepted] + [call.verdict.next_token]
 
     async def _settle(self, ahead: DraftAhead | None, stats: SpadeStats) -> None:
         """The token still being drafted ahead when the last verdict came, now that it is needed."""
@@ -312,41 +272,6 @@ class SpeculativeEngine:
             stats.overlap_misses += 1
             self._metrics.overlap_misses.inc()
 
-    def _record(
-        self, stats: SpadeStats, lengths, session: VerifierSession, block: DraftBlock, verdict: VerifyResponse, drafting: Drafting
-    ) -> None:
-        call = session.records[-1]
-        num_drafted = len(block.token_ids)
-        stats.verify_calls += 1
-        stats.drafted_tokens += num_drafted
-        stats.accepted_tokens += verdict.num_accepted
-        stats.target_tokens += verdict.num_target_tokens
-        stats.resyncs += int(call.resynced)
-        stats.draft_ms += drafting.exposed_s * 1e3
-        stats.verify_ms += call.round_trip_s * 1e3
-        stats.verifier_forward_ms += verdict.timings.forward_ms
-        lengths.observe(
-            BlockOutcome(
-                num_drafted,
-                verdict.num_accepted,
-                drafting.seconds_per_token,
-                call.round_trip_s,
-                verdict.timings.total_ms / 1e3,
-                verdict.num_target_tokens,
-            )
-        )
-        metrics = self._metrics
-        metrics.verify_calls.inc()
-        metrics.resyncs.inc(int(call.resynced))
-        metrics.drafted_tokens.inc(num_drafted)
-        metrics.accepted_tokens.inc(verdict.num_accepted)
-        metrics.bytes_sent.inc(call.bytes_sent)
-        metrics.bytes_received.inc(call.bytes_received)
-        metrics.draft_length.observe(num_drafted)
-        metrics.draft_seconds.observe(drafting.exposed_s)
-        metrics.verify_seconds.observe(call.round_trip_s)
-        metrics.verifier_forward_seconds.observe(verdict.timings.forward_ms / 1e3)
-
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self._client.aclose()
@@ -355,10 +280,33 @@ class SpeculativeEngine:
         await asyncio.to_thread(self._drafter.close)
 
 
-def generated_tokens(token_ids: list[int], verdict: VerifyResponse | None) -> GeneratedTokens:
+def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: Drafting) -> None:
+    """The request's own account of one verified block (the ``spade`` object of its response)."""
+    verdict = call.verdict
+    stats.verify_calls += 1
+    stats.drafted_tokens += num_drafted
+    stats.accepted_tokens += verdict.num_accepted
+    stats.target_tokens += verdict.num_target_tokens
+    stats.resyncs += int(call.resynced)
+    stats.draft_ms += drafting.exposed_s * 1e3
+    stats.verify_ms += call.round_trip_s * 1e3
+    stats.verifier_forward_ms += verdict.timings.forward_ms
+
+
+def block_outcome(call: VerifyCall, num_drafted: int, drafting: Drafting) -> BlockOutcome:
+    """What the verified block teaches the draft-length policy."""
+    verifier_s = call.verdict.timings.total_ms / 1e3
+    verdict = call.verdict
+    return BlockOutcome(
+        num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verifier_s, verdict.num_target_tokens
+    )
+
+
+def generated_tokens(token_ids: list[int], call: VerifyCall | None) -> GeneratedTokens:
     """The tokens to deliver, with the verdict's logprobs for them when the request asked (the
     verdict is then one that carries them: the client checks)."""
-    if verdict is None:
+    if call is None:
         return GeneratedTokens(token_ids)
+    verdict = call.verdict
     top_logprobs: list[TopLogprobs] = [list(zip(top.token_ids, top.logprobs, strict=True)) for top in verdict.top_logprobs or []]
     return GeneratedTokens(token_ids, verdict.logprobs[: len(token_ids)], top_logprobs[: len(token_ids)])

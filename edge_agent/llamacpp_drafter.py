@@ -13,16 +13,13 @@ logits row, exactly as the transformers drafter does.
 
 Sessions are sequences of ONE llama.cpp context with a unified KV cache (``kv_unified``): one
 pool of ``n_ctx`` cells for all sessions, each holding only what it uses, instead of one
-context, and one full-size KV buffer, per session. Measured (Qwen2.5-Coder-0.5B Q4_K_M, one
-thread, n_ctx 32768, 2-core box): a context costs 384 MiB of KV (12 KiB per token) and 0.6-2.3 s
-to create (zeroing it) however many sequences it has; each sequence adds about 0.6 MiB (8: 389,
-64: 421, 256: 530 MiB). One context per session would cost the 384 MiB and the seconds per
-concurrent request. The price of sharing: a decode attends over the cells other sessions
-occupy (masked out): 48.6 ms/token alone, 48.8 beside a 3000-token session (quiet box; 0-25 %
-under heavy load). The mask keeps sessions apart exactly: one session's logits are bitwise the
-same with or without another's tokens in the pool (SmolLM2, one thread; the tests check it).
-Per drafted token (same box, quiet): greedy 52 ms against 225 for transformers fp32 on one
-thread; sampled 83 ms (the logits row costs 8 ms, the full-vocabulary transform the rest).
+context, and one full-size KV buffer, per session. A context's KV buffer, and the seconds to
+create it (zeroing it), do not grow with its sequences, while each sequence adds little; one
+context per session would cost the buffer and the seconds per concurrent request. The price of
+sharing: a decode attends over the cells other sessions occupy (masked out), which costs little.
+The mask keeps sessions apart exactly: one session's logits are bitwise the same with or without
+another's tokens in the pool (SmolLM2, one thread; the tests check it). The figures, and the
+cost per drafted token against transformers: docs/benchmarks.md, "Component measurements".
 Bounds: at most ``max_sessions`` sessions at once (a further ``start_session`` is refused with
 OverloadedError, HTTP 429); when a decode would not fit the free cells, the other sessions'
 caches are dropped (each re-feeds its context on its next proposal).
@@ -30,7 +27,7 @@ caches are dropped (each re-feeds its context on its next proposal).
 ``n_ctx`` is the target's maximum context (the verifier's /health), which every context +
 block the engine drafts for fits in. Threads: ``threads`` for both single-token and batch
 decoding; by default half the cores, 1 to 4 (one on a 2-core box, where a second ggml thread
-busy-waiting against other work made decoding 10x slower). llama.cpp's own log goes to this
+busy-waiting against other work made decoding many times slower). llama.cpp's own log goes to this
 module's logger: errors as errors, warnings at info level, its chatter at debug level.
 """
 
@@ -300,8 +297,8 @@ class LlamaCppDrafter:
 
     def _last_logits(self) -> torch.Tensor:
         """[vocab] float32 logits of the last decoded token, ids beyond ``vocab_limit`` at -inf.
-        cyllama hands the row over as a Python list (about 6 ms for 152k floats); numpy packs it
-        in C (3 ms more, against 12 ms for torch.tensor(list))."""
+        cyllama hands the row over as a Python list; numpy packs it in C, several times faster
+        than torch.tensor(list) (docs/benchmarks.md, "Component measurements")."""
         logits = torch.from_numpy(np.array(self._context.get_logits_ith(-1), dtype=np.float32))
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[0]:
             logits[self.vocab_limit :] = float("-inf")

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+if TYPE_CHECKING:
+    from edge_agent.verifier_client import VerifyCall
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -45,9 +50,9 @@ class EdgeMetrics:
         self.draft_ahead_tokens = Counter("spade_edge_draft_ahead_tokens", "Tokens drafted while a verify call was in flight", registry=r)
         self.bytes_sent = Counter("spade_edge_bytes_sent", "Request bytes sent to the verifier", registry=r)
         self.bytes_received = Counter("spade_edge_bytes_received", "Response bytes received from the verifier", registry=r)
-        self.draft_length = Histogram(
+        self.draft_lengths = Histogram(
             "spade_edge_draft_length",
-            "Tokens drafted per block (0: the prompt-only first call of a request)",
+            "Draft length: tokens drafted per verify call (0: the prompt-only first call of a request)",
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
             registry=r,
         )
@@ -69,3 +74,16 @@ class EdgeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def observe_call(self, call: VerifyCall, num_drafted: int, exposed_draft_s: float) -> None:
+        """One verified block: its tokens, bytes and times."""
+        self.verify_calls.inc()
+        self.resyncs.inc(int(call.resynced))
+        self.drafted_tokens.inc(num_drafted)
+        self.accepted_tokens.inc(call.verdict.num_accepted)
+        self.bytes_sent.inc(call.bytes_sent)
+        self.bytes_received.inc(call.bytes_received)
+        self.draft_lengths.observe(num_drafted)
+        self.draft_seconds.observe(exposed_draft_s)
+        self.verify_seconds.observe(call.round_trip_s)
+        self.verifier_forward_seconds.observe(call.verdict.timings.forward_ms / 1e3)

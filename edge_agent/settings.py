@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from edge_agent.draft_length import parse_draft_length
+from edge_agent.draft_length import DraftLengthPolicy, draft_length_policy, parse_draft_length
 from gateway.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the client pulls in torch via the wire module; --help must not
@@ -22,17 +22,7 @@ class EdgeSettings(ServiceSettings):
         "qwen2.5-coder-0.5b-instruct",
         description="Draft model: HF id, local directory, .gguf path or spade-models name.",
     )
-    gguf_file: str | None = Field(None, description="GGUF file inside --draft-model (a directory or hub repo) to load.")
     verifier_url: str = Field("http://127.0.0.1:8001", description="Base URL of the verifier service.")
-    host: str = Field("127.0.0.1", description="Address to listen on.")
-    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
-    device: str = Field("cpu", description="cpu, cuda, cuda:N or mps.")
-    dtype: str = Field("float32", description="float32, bfloat16 or float16.")
-    threads: int | None = Field(
-        None,
-        ge=1,
-        description="CPU threads of the draft model, torch's and llama.cpp's (default: torch's choice; llama.cpp half the cores, 1 to 4).",
-    )
     draft_backend: Literal["auto", "llamacpp", "transformers"] = Field(
         "auto",
         description=(
@@ -46,14 +36,17 @@ class EdgeSettings(ServiceSettings):
         ge=1,
         le=256,
         description=(
-            "llama.cpp draft backend: requests drafting at once (sequences of its shared KV cache, about 0.6 "
-            "MB each); more are answered 429. Keep it above --max-concurrent-requests (a session closes a "
+            "llama.cpp draft backend: requests drafting at once (sequences of its one shared KV cache, each "
+            "adding little); more are answered 429. Keep it above --max-concurrent-requests (a session closes a "
             "moment after its request ends)."
         ),
     )
-    draft_length: str = Field(
-        "5",
-        description="Tokens drafted per verify call: a positive integer, or 'auto' to adapt to acceptance and round trip.",
+    draft_length: int | Literal["auto"] = Field(
+        5,
+        description=(
+            "The draft length: tokens drafted per verify call, a positive integer, or 'auto' to choose it before "
+            "each block from acceptance and round trip."
+        ),
     )
     overlap: bool = Field(
         True,
@@ -71,7 +64,7 @@ class EdgeSettings(ServiceSettings):
             "first token. Used only when the verifier's /health says it accepts an empty block."
         ),
     )
-    max_draft_length: int = Field(16, ge=1, description="Upper bound of the adaptive draft length.")
+    max_draft_length: int = Field(16, ge=1, description="Longest draft length --draft-length auto chooses.")
     max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
     verify_retries: int = Field(2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.")
@@ -98,11 +91,14 @@ class EdgeSettings(ServiceSettings):
         ),
     )
 
-    @field_validator("draft_length")
+    @field_validator("draft_length", mode="before")
     @classmethod
-    def _check_draft_length(cls, value: str) -> str:
-        parse_draft_length(value, 1)
-        return value
+    def _parse_draft_length(cls, value: object) -> int | str:
+        return parse_draft_length(value)
+
+    def draft_length_policy(self) -> DraftLengthPolicy:
+        """The policy choosing each block's draft length (not yet capped by the verifier)."""
+        return draft_length_policy(self.draft_length, self.max_draft_length, self.overlap)
 
     def client_settings(self) -> ClientSettings:
         from edge_agent.verifier_client import ClientSettings

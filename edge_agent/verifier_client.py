@@ -54,14 +54,17 @@ class ClientSettings:
     """Sent as ``Authorization: Bearer <key>`` on every call to the verifier."""
 
 
-@dataclass
-class CallRecord:
-    """What one verify exchange cost, for the request's stats."""
+@dataclass(frozen=True)
+class VerifyCall:
+    """One verify exchange: the verifier's verdict and what the exchange cost."""
 
+    verdict: VerifyResponse
     round_trip_s: float
+    """From sending the call to reading its answer (a 409 and the resent call included)."""
     bytes_sent: int
     bytes_received: int
     resynced: bool
+    """The verifier had lost the session: the call was repeated with the whole context."""
 
 
 class VerifierClient:
@@ -157,14 +160,13 @@ class VerifierSession:
     client: VerifierClient
     session_id: str
     verifier_length: int = 0
-    records: list[CallRecord] = field(default_factory=list)
     has_called: bool = False
     """A verify call was sent: the verifier may hold the session even without an answer here
     (the first call cancelled in flight, when the client went away)."""
 
     async def verify(
         self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
-    ) -> VerifyResponse:
+    ) -> VerifyCall:
         """``num_top_logprobs``: None asks for no logprobs; N for the emitted tokens' and N
         alternatives each."""
         started = time.perf_counter()
@@ -184,8 +186,7 @@ class VerifierSession:
         if num_top_logprobs is not None and not has_logprobs(verdict):
             raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
         self.verifier_length = verdict.context_length
-        self.records.append(CallRecord(time.perf_counter() - started, bytes_sent, len(response.content), resynced))
-        return verdict
+        return VerifyCall(verdict, time.perf_counter() - started, bytes_sent, len(response.content), resynced)
 
     def close(self) -> None:
         if self.has_called:

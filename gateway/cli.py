@@ -1,6 +1,6 @@
 """Command-line flags generated from a settings class, so flags, env vars and defaults are
-defined once: ``--max-draft-tokens`` for field ``max_draft_tokens``, its help the field's
-description, its default whatever the environment (SPADE_*_MAX_DRAFT_TOKENS) or the class says.
+defined once: ``--max-draft-length`` for field ``max_draft_length``, its help the field's
+description, its default whatever the environment (SPADE_*_MAX_DRAFT_LENGTH) or the class says.
 
 Only argparse and pydantic are imported before the flags are parsed: ``--help`` and
 ``--version`` answer in a fraction of a second, and the web server, torch and the models are
@@ -43,19 +43,34 @@ def plain_text(text: str) -> str:
 
 
 def allowed_values(annotation) -> tuple[str, ...]:
-    """The values of a ``Literal[...]`` setting (also inside ``Optional``), else ()."""
+    """The values of a ``Literal[...]`` setting (also inside ``Optional``), else (). A union
+    with another type (``int | Literal["auto"]``) lists nothing: its help says what it takes."""
     if typing.get_origin(annotation) is typing.Literal:
         return tuple(str(value) for value in typing.get_args(annotation))
-    for member in typing.get_args(annotation):
-        if typing.get_origin(member) is typing.Literal:
-            return allowed_values(member)
+    members = typing.get_args(annotation)
+    literals = [member for member in members if typing.get_origin(member) is typing.Literal]
+    if len(literals) == 1 and all(member is type(None) for member in members if member is not literals[0]):
+        return allowed_values(literals[0])
     return ()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def ordered_fields(settings_class: type[BaseSettings]) -> list[str]:
+    """The class's own settings first (what the service is: its model, its peers), then those it
+    shares with the other service (``gateway.settings.ServiceSettings``)."""
+    inherited = {name for base in settings_class.__mro__[1:] for name in getattr(base, "model_fields", {})}
+    own = [name for name in settings_class.model_fields if name not in inherited]
+    return own + [name for name in settings_class.model_fields if name in inherited]
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
     env_prefix = settings_class.model_config.get("env_prefix", "")
-    for name, field in settings_class.model_fields.items():
-        flag = "--" + name.replace("_", "-")
+    renamed: dict[str, str] = getattr(settings_class, "RENAMED", {})
+    for name in ordered_fields(settings_class):
+        field = settings_class.model_fields[name]
         env_name = f"{env_prefix}{name}".upper()
         default = "(none)" if field.default is None else field.default
         # A bool setting given alone is true (--allow-no-auth); a value still works (--overlap false).
@@ -64,16 +79,24 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         # normalise, e.g. INFO -> info) and its message names the flag.
         values = allowed_values(field.annotation)
         choices = f" One of: {', '.join(values)}." if values else ""
+        old_names = [old for old, new in renamed.items() if new == name]
+        formerly = f" Formerly {', '.join(flag_name(old) for old in old_names)} (still accepted)." if old_names else ""
         parser.add_argument(
-            flag,
+            flag_name(name),
+            *[flag_name(old) for old in old_names],
             dest=name,
             default=argparse.SUPPRESS,
-            help=f"{plain_text(field.description or '')}{choices} [env {env_name}; default {default}]",
+            help=f"{plain_text(field.description or '')}{choices}{formerly} [env {env_name}; default {default}]",
             **switch,
         )
         if field.annotation is bool:
             parser.add_argument(
-                "--no-" + flag[2:], dest=name, action="store_const", const="false", default=argparse.SUPPRESS, help=f"Same as {flag} false."
+                "--no-" + flag_name(name)[2:],
+                dest=name,
+                action="store_const",
+                const="false",
+                default=argparse.SUPPRESS,
+                help=f"Same as {flag_name(name)} false.",
             )
 
 

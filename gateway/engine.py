@@ -8,19 +8,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from gateway.errors import InvalidRequestError
+from gateway.model import LogprobsSupport, ModelDescription
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
 
+__all__ = ["GeneratedTokens", "GenerationEngine", "GenerationRequest", "LogprobsSupport", "TopLogprobs", "check_logprobs_support"]
+
 TopLogprobs = list[tuple[int, float]]
 """One token's most likely alternatives: (token id, logprob) pairs, most likely first."""
-
-LogprobsSupport = Literal["none", "greedy", "all"]
-"""Which requests an engine can report exact logprobs for: all, greedy ones only (the vLLM
-backend's sample_match route samples inside vLLM and never sees the distribution), or none (a
-verifier from before logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -65,22 +63,14 @@ def check_logprobs_support(support: LogprobsSupport, sampling: SamplingConfig, p
 
 class GenerationEngine(Protocol):
     @property
-    def model_id(self) -> str: ...
+    def model(self) -> ModelDescription:
+        """The model whose output this engine produces: id, limits, end tokens, logprobs."""
+        ...
 
     @property
-    def tokenizer(self): ...
-
-    @property
-    def max_context_length(self) -> int: ...
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]: ...
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def logprobs_support(self) -> LogprobsSupport: ...
+    def tokenizer(self):
+        """A transformers tokenizer for the model's token ids (chat template, decoding)."""
+        ...
 
     def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         """Yield token batches until EOS or max_tokens; update ``stats`` as it goes. Closing the

@@ -60,7 +60,7 @@ def build_openai_router() -> APIRouter:
     @router.get("/v1/models", responses=error_responses(401, 503))
     async def list_models(request: Request) -> ModelList:
         engine = current_engine(request)
-        return ModelList(data=[ModelCard(id=engine.model_id, max_model_len=engine.max_context_length)])
+        return ModelList(data=[ModelCard(id=engine.model.model_id, max_model_len=engine.model.max_context_length)])
 
     metrics_responses: dict[int | str, dict] = {200: {"content": {"text/plain": {}}, "description": "Prometheus metrics."}}
 

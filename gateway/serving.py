@@ -71,7 +71,7 @@ def prepare_chat(engine: GenerationEngine, request: ChatCompletionRequest, limit
     messages = [{"role": message.role, "content": message.text()} for message in request.messages]
     if not getattr(engine.tokenizer, "chat_template", None):
         raise InvalidRequestError(
-            f"the model {engine.model_id!r} has no chat template: send the prompt to /v1/completions", param="messages"
+            f"the model {engine.model.model_id!r} has no chat template: send the prompt to /v1/completions", param="messages"
         )
     try:
         prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
@@ -88,15 +88,16 @@ def prepare_completion(engine: GenerationEngine, request: CompletionRequest, lim
         prompt_ids = text_prompt_ids(engine.tokenizer, request.prompt)
     else:
         prompt_ids = list(request.prompt)
-        if any(not 0 <= token_id < engine.vocab_size for token_id in prompt_ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {engine.vocab_size})", param="prompt")
+        vocab_size = engine.model.vocab_size
+        if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
     return _prepare(engine, request, "completion", "text_completion", prompt_ids, limits)
 
 
 def check_common(engine: GenerationEngine, request: ChatCompletionRequest | CompletionRequest) -> None:
-    if request.model != engine.model_id:
+    if request.model != engine.model.model_id:
         raise ModelNotFoundError(
-            f"the model {request.model!r} does not exist here; this service serves {engine.model_id!r}",
+            f"the model {request.model!r} does not exist here; this service serves {engine.model.model_id!r}",
             param="model",
             code="model_not_found",
         )
@@ -108,17 +109,9 @@ def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int
     if not prompt_ids:
         raise InvalidRequestError("the prompt is empty", param="prompt" if kind == "completion" else "messages")
     limits.check_prompt(len(prompt_ids))
-    room = engine.max_context_length - len(prompt_ids)
-    asked = request.token_budget
-    budget = limits.budget(asked, room)
-    if room < 1 or budget > room:
-        needed = len(prompt_ids) + (asked or 1)
-        raise InvalidRequestError(
-            f"this model's maximum context length is {engine.max_context_length} tokens; "
-            f"the request needs {needed} ({len(prompt_ids)} in the prompt)",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    model = engine.model
+    budget = limits.budget(request.token_budget, model.room(len(prompt_ids)))
+    model.check_fits(len(prompt_ids), max(budget, 1), param="max_tokens")
     request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     sampling = SamplingConfig(
         temperature=request.temperature,
@@ -127,16 +120,16 @@ def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int
         seed=request.seed if request.seed is not None else random_seed(),
     )
     if request.num_top_logprobs is not None:
-        check_logprobs_support(engine.logprobs_support, sampling, param="logprobs")
+        check_logprobs_support(model.logprobs_support, sampling, param="logprobs")
     generation = GenerationRequest(
         request_id=request_id,
         prompt_token_ids=prompt_ids,
         max_tokens=budget,
         sampling=sampling,
-        eos_token_ids=engine.eos_token_ids,
+        eos_token_ids=model.eos_token_ids,
         num_top_logprobs=request.num_top_logprobs,
     )
-    identity = chunks.StreamIdentity(request_id, engine.model_id, int(time.time()), chunk_object)
+    identity = chunks.StreamIdentity(request_id, model.model_id, int(time.time()), chunk_object)
     return PreparedRequest(kind, identity, generation, request.stop_strings, request.stream, request.include_usage_chunk)
 
 

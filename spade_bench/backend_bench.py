@@ -1,10 +1,11 @@
 """Verify-call micro-benchmark: the vLLM backend against the transformers backend, same model.
 
 Each configuration runs ``--rounds`` lock-step rounds over N concurrent sessions (N = 1 and 8 by
-default). In a round every session first drafts a block (outside the timing: the draft model
-through transformers, or random tokens when there is no draft), then all N verify calls go out
-at once; each call's latency and the round's wall time are recorded, and each session commits
-its accepted tokens plus the next token, as the edge would.
+default). In a round every session first drafts a block (outside the timing: the edge's own
+transformers drafter, ``edge_agent.drafter.ModelDrafter``, or random tokens when there is no
+draft), then all N verify calls go out at once; each call's latency and the round's wall time
+are recorded, and each session commits its accepted tokens plus the next token, as the edge
+would.
 
 Run it in the vLLM environment (``.ci/vllm_env.sh``) so both backends are importable:
 
@@ -15,9 +16,9 @@ Run it in the vLLM environment (``.ci/vllm_env.sh``) so both backends are import
 Prints a Markdown table: per backend (and vLLM exact route), temperature and concurrency, the
 verify latency (mean, p50, p90), verify calls/s, committed tokens/s, drafted tokens accepted per
 call, target tokens computed per call, and resident memory of the serving processes (summed
-over vLLM's three processes). On a shared 2-core machine other processes stretch both backends'
-OpenMP threads (a 9-token verify of the 1.5B target took 0.63 s alone, ~4 s beside busy
-neighbours): compare rows of one run, and read the load average printed with the table.
+over vLLM's three processes). Other processes on a shared machine stretch both backends'
+OpenMP threads many times over: compare rows of one run, and read the load average printed with
+the table. Results: README ("The vLLM backend") and docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from pathlib import Path
 
 import torch
 
+from edge_agent.drafter import ModelDrafter, ModelDraftSession
+from edge_agent.settings import EdgeSettings
 from spade_core.params import SamplingConfig
-from spade_core.sampling import position_uniforms, processed_probs, sample_from
 from spade_models.loader import LoadedModel, ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
+from verifier_service.service import dense_draft_probs
 
 
 @dataclass(frozen=True)
@@ -79,50 +82,46 @@ def process_tree_rss_gib() -> float:
 
 
 def draft_block(
-    draft: LoadedModel | None,
-    context: list[int],
-    sampling: SamplingConfig,
-    num_drafted: int,
-    vocab_size: int,
-    num_real_tokens: int,
-    rng: random.Random,
+    session: ModelDraftSession | None, context: list[int], sampling: SamplingConfig, num_drafted: int, vocab_size: int, rng: RandomTokens
 ) -> tuple[list[int], torch.Tensor | None]:
-    """What the edge sends: drafted tokens and (temperature > 0) the full distributions used."""
-    if draft is None:
-        return [rng.randrange(3, num_real_tokens) for _ in range(num_drafted)], None
-    tokens: list[int] = []
-    rows: list[torch.Tensor] = []
-    for offset in range(num_drafted):
-        with torch.inference_mode():
-            logits = draft.model(input_ids=torch.tensor([context + tokens])).logits[0, -1].float()
-        probs = processed_probs(logits[:vocab_size], sampling)
-        uniform = float(position_uniforms(sampling.seed, len(context) + offset, 1, stream="draft")[0, 1])
-        tokens.append(sample_from(probs, uniform))
-        rows.append(probs)
-    return tokens, (None if sampling.is_greedy else torch.stack(rows))
+    """What the edge sends, drafted by the edge's own drafter (its KV cache kept across rounds,
+    its distributions truncated as the edge's are), as the backend takes it; random tokens
+    without a draft model."""
+    if session is None:
+        return rng.tokens(num_drafted), None
+    block = session.propose(context, num_drafted, sampling)
+    return block.token_ids, None if block.probs is None else dense_draft_probs(block.probs, vocab_size)
+
+
+@dataclass
+class RandomTokens:
+    """Random token ids from the tokenizer's table, as real text would use (Qwen2.5's logits have
+    151,936 rows, its tokenizer 151,665 tokens)."""
+
+    rng: random.Random
+    num_real_tokens: int
+
+    def tokens(self, count: int) -> list[int]:
+        return [self.rng.randrange(3, self.num_real_tokens) for _ in range(count)]
 
 
 async def run_rounds(
     backend: VerifierBackend, draft: LoadedModel | None, config: BenchConfig, temperature: float, concurrency: int, label: str
 ) -> RunStats:
-    rng = random.Random(config.seed)
-    vocab_size = backend.info.vocab_size
-    # Random tokens come from the tokenizer's table, as real text would (Qwen2.5's logits have
-    # 151,936 rows, its tokenizer 151,665 tokens).
-    tokenizer = backend.info.tokenizer  # typed ``object`` in ModelInfo: a transformers tokenizer
-    if not isinstance(tokenizer, Sized):
+    vocab_size = backend.model.vocab_size
+    if not isinstance(backend.tokenizer, Sized):
         raise ValueError(f"{label}: the backend's tokenizer does not tell its number of tokens")
-    num_real_tokens = min(vocab_size, len(tokenizer))
-    sessions = [
-        Session(f"{label}-{index}", [rng.randrange(3, num_real_tokens) for _ in range(config.context_length)])
-        for index in range(concurrency)
-    ]
+    rng = RandomTokens(random.Random(config.seed), min(vocab_size, len(backend.tokenizer)))
+    max_support = EdgeSettings.model_fields["max_draft_support"].default  # what an edge sends by default
+    drafter = None if draft is None else ModelDrafter(draft, max_support=max_support, vocab_limit=vocab_size)
+    sessions = [Session(f"{label}-{index}", rng.tokens(config.context_length)) for index in range(concurrency)]
+    drafts = [None if drafter is None else drafter.start_session() for _ in sessions]
     stats = RunStats()
     for round_index in range(config.rounds + 1):  # round 0 warms each session up, untimed
         blocks = []
-        for index, session in enumerate(sessions):
+        for index, (session, draft_session) in enumerate(zip(sessions, drafts, strict=True)):
             sampling = SamplingConfig(temperature=temperature, seed=config.seed + index)
-            tokens, probs = draft_block(draft, session.context, sampling, config.num_drafted, vocab_size, num_real_tokens, rng)
+            tokens, probs = draft_block(draft_session, session.context, sampling, config.num_drafted, vocab_size, rng)
             blocks.append(BlockToVerify(session.session_id, list(session.context), tokens, probs, sampling))
         started = time.perf_counter()
         results = await asyncio.gather(*[timed_verify(backend, block) for block in blocks])
@@ -132,8 +131,10 @@ async def run_rounds(
             if round_index:
                 record(stats, verdict, latency_s)
         stats.wall_s += wall_s if round_index else 0.0
-    for session in sessions:
+    for session, draft_session in zip(sessions, drafts, strict=True):
         backend.release_session(session.session_id)
+        if draft_session is not None:
+            draft_session.close()
     return stats
 
 

@@ -6,6 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from edge_agent.draft_length import parse_draft_length
 from spade_bench.data import DataSelection
 from spade_bench.records import EdgeVariant
 
@@ -108,7 +109,7 @@ class BenchConfig:
     """0 is greedy (Spec-Bench's protocol); the identical-output check only applies then."""
     seed: int = 0
     startup_timeout_s: float = 900.0
-    """Waiting for a service's /health (loading a GGUF model on 2 cores takes about a minute)."""
+    """Waiting for a service's /health (loading a GGUF model on a small machine takes a while)."""
     request_timeout_s: float = 1800.0
     warmup_tokens: int = 4
     """Each phase starts with one unrecorded request of this many tokens (0: none)."""
@@ -124,8 +125,7 @@ class BenchConfig:
         if unknown or not self.modes:
             raise ValueError(f"modes must be among {MODES}, got {self.modes}")
         for value in self.draft_lengths:
-            if value != "auto" and not (value.isdigit() and int(value) >= 1):
-                raise ValueError(f"draft length must be a positive integer or 'auto', got {value!r}")
+            parse_draft_length(value)  # the edge's own rule: a bad value fails here, not in a started edge
         unknown_backends = set(self.draft_backends) - set(DRAFT_BACKENDS)
         if unknown_backends or not self.draft_backends or not self.overlaps:
             raise ValueError(

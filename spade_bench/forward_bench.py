@@ -1,4 +1,4 @@
-"""The target's forward time against the block length: t(d) for d drafted tokens (d + 1 rows
+"""The target's forward time against the draft length: t(d) for d drafted tokens (d + 1 rows
 fed on top of a cached context), stock transformers vs the verifier's CPU kernels, fast and
 batch-invariant, side by side in one process on one loaded model.
 
@@ -10,7 +10,7 @@ For each context length the context is prefilled once (with the fast kernels; th
 contents do not change the timing) and every measurement feeds d + 1 random tokens after it,
 times the model call alone (logits for the d + 1 rows, as the verifier keeps), then crops the
 cache back. Stock runs on transformers' DynamicCache, the kernels on the verifier's in-place
-``growing_cache``, as in the verifier. Modes and block lengths are interleaved within each
+``growing_cache``, as in the verifier. Modes and draft lengths are interleaved within each
 repetition, so a neighbour's load spreads over all of them; the tables print medians of CPU
 time (and of wall time). Also checked, on the same model:
 the batch-invariant mode's rows are bitwise equal to one-token steps, and the kernels' logits
@@ -126,25 +126,25 @@ def run_timings(bench: ForwardBench, context_lengths: list[int], modes: list[str
     return timings
 
 
-def check_numerics(bench: ForwardBench, context_length: int, block_lengths: list[int]) -> list[str]:
+def check_numerics(bench: ForwardBench, context_length: int, row_counts: list[int]) -> list[str]:
     """Bitwise row invariance of the batch-invariant mode, and the kernels' distance from stock."""
     prefix = bench.random_tokens(context_length)
-    block = bench.random_tokens(max(block_lengths))
+    block = bench.random_tokens(max(row_counts))
     lines = []
     logits = {}
     for mode in ("stock", "fast", "batch_invariant"):
         bench.use(mode)
         rows = {}
-        for length in block_lengths:
+        for length in row_counts:
             cache = DynamicCache(config=bench.model.config) if mode == "stock" else growing_cache(bench.model.config)
             bench.forward(cache, prefix, 1)
             rows[length] = bench.forward(cache, block[:, :length], length)
         logits[mode] = rows
         if mode != "stock":
-            equal = [length for length in block_lengths[1:] if torch.equal(rows[length][0], rows[1][0])]
-            lines.append(f"{mode}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} (of {block_lengths[1:]})")
+            equal = [length for length in row_counts[1:] if torch.equal(rows[length][0], rows[1][0])]
+            lines.append(f"{mode}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} (of {row_counts[1:]})")
     bench.use("stock")
-    longest = max(block_lengths)
+    longest = max(row_counts)
     for mode in ("fast", "batch_invariant"):
         difference = (logits[mode][longest] - logits["stock"][longest]).abs().max().item()
         same_top1 = bool((logits[mode][longest].argmax(-1) == logits["stock"][longest].argmax(-1)).all())
@@ -226,7 +226,7 @@ def table(timings: Timings, clock: str, context_lengths: list[int], modes: list[
 
 
 def speedup_table(timings: Timings, context_lengths: list[int], modes: list[str], drafted: list[int]) -> str:
-    """Stock's CPU time over each mode's, per block length."""
+    """Stock's CPU time over each mode's, per draft length."""
     lines = ["| context | mode | " + " | ".join(f"stock/mode d={d}" for d in drafted) + " |", "|" + " --- |" * (2 + len(drafted))]
     for context_length in context_lengths:
         for mode in modes:
@@ -259,7 +259,7 @@ def plot(timings: Timings, context_lengths: list[int], modes: list[str], drafted
             )
     axis.set_xlabel("drafted tokens d (d + 1 rows fed)")
     axis.set_ylabel("forward CPU ms (median)")
-    axis.set_title("Target forward time against block length")
+    axis.set_title("Target forward time against draft length")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -273,12 +273,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="target: registry name, directory or .gguf; default: a tiny target built in a temp dir")
     parser.add_argument("--gguf-file", help="GGUF file inside --model")
     parser.add_argument("--context-lengths", default="200,1000")
-    parser.add_argument("--drafted", default=",".join(map(str, DRAFTED)), help="block lengths d (0 = one-row step)")
+    parser.add_argument("--drafted", default=",".join(map(str, DRAFTED)), help="draft lengths d (0 = one-row step)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--check-blocks", default="1,2,9,16", help="block lengths of the numerics check ('' to skip)")
-    parser.add_argument("--breakdown", default="0,8", help="block lengths d to break down by layer kind ('' to skip)")
+    parser.add_argument("--check-blocks", default="1,2,9,16", help="rows M of the numerics check's blocks ('' to skip)")
+    parser.add_argument("--breakdown", default="0,8", help="draft lengths d to break down by layer kind ('' to skip)")
     parser.add_argument("--output", help="directory for forward_bench.md and forward_bench.png")
     return parser.parse_args(argv)
 

@@ -19,9 +19,10 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -90,6 +91,10 @@ class LoadedModel:
     num_parameters: int
     loaded_from: str = ""
     """The directory or file the weights were read from (a converted cache directory, when one was used)."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return eos_token_ids(self.tokenizer, self.model.generation_config, self.model.config)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -270,8 +275,8 @@ def tokenizer_dir(cache_dir: Path, key: str) -> Path:
 def load_tokenizer(source: ModelSource):
     """The tokenizer alone, without the weights.
 
-    Reading it out of a GGUF file takes 10-40 s (gguf-py parses the token table in Python:
-    12 s for SmolLM2's 49k tokens, 37 s for Qwen's 152k on 2 busy cores), so it is read from
+    Reading it out of a GGUF file takes tens of seconds (gguf-py parses the token table in
+    Python; docs/benchmarks.md, "Component measurements"), so it is read from
     a converted directory of the same file when there is one (any dtype: the tokenizer is the
     same), else from the file once and saved alone under ``<cache>/converted/<key>-tokenizer/``."""
     gguf = _resolve_gguf(source)
@@ -360,14 +365,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hasher.hexdigest()[:32]
 
 
-def eos_token_ids(model: PreTrainedModel, tokenizer) -> frozenset[int]:
-    """Every id that ends generation: the generation config's (often a list) and the tokenizer's."""
+def eos_token_ids(tokenizer: Any, *configs: Any) -> frozenset[int]:
+    """Every id that ends generation, for both backends: each config's ``eos_token_id`` (the
+    generation config's is often a list; a config may be an object or a mapping) and the
+    tokenizer's. transformers passes the model's generation config and config, vLLM its own
+    readings of the same two files."""
     ids: set[int] = set()
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(configured)
-    if tokenizer.eos_token_id is not None:
+    for config in configs:
+        configured = config.get("eos_token_id") if isinstance(config, Mapping) else getattr(config, "eos_token_id", None)
+        if isinstance(configured, int):
+            ids.add(configured)
+        elif configured:
+            ids.update(configured)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

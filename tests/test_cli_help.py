@@ -174,3 +174,82 @@ def test_demo_help_prints_usage_and_starts_nothing():
     assert result.returncode == 0
     assert result.stdout.startswith("The main job, from a fresh clone")
     assert "scripts/demo --no-baseline" in result.stdout
+
+
+# Every flag and env var the services took before their settings shared a base class and the
+# draft length got one name (README's configuration tables, 2026-12-03): each still sets its
+# setting. --max-draft-tokens is the verifier's --max-draft-length under its old name.
+OLD_FLAGS = {
+    "spade-verifier": (
+        "model gguf-file served-model-name backend host port device dtype threads max-context-length max-draft-tokens "
+        "max-draft-support fast-kernels batch-invariant max-batch-sessions batch-wait-ms max-kv-cache-bytes max-sessions "
+        "max-session-tokens session-ttl-s vllm-block-size vllm-kv-cache-gib vllm-exact-route log-level"
+    ),
+    "spade-edge": (
+        "draft-model gguf-file verifier-url host port device dtype threads draft-length overlap draft-backend "
+        "max-draft-sessions verifier-api-key verifier-api-key-file trusted-hosts max-draft-length max-draft-support "
+        "verify-timeout-s verify-retries fallback circuit-open-s startup-timeout-s log-level"
+    ),
+}
+SHARED_FLAGS = (
+    "api-key api-key-file allow-no-auth metrics-require-key max-request-bytes max-concurrent-requests max-tokens-cap "
+    "default-max-tokens max-prompt-tokens shutdown-grace-s ssl-certfile ssl-keyfile"
+)
+
+
+def settings_parser(script: str):
+    import argparse
+
+    from edge_agent.settings import EdgeSettings
+    from gateway.cli import add_settings_arguments
+    from verifier_service.settings import VerifierSettings
+
+    settings_class = VerifierSettings if script == "spade-verifier" else EdgeSettings
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, settings_class)
+    return parser, settings_class
+
+
+@pytest.mark.parametrize("script", sorted(OLD_FLAGS))
+def test_every_earlier_flag_is_still_accepted(script):
+    parser, _ = settings_parser(script)
+    missing = [flag for flag in (OLD_FLAGS[script] + " " + SHARED_FLAGS).split() if f"--{flag}" not in parser._option_string_actions]
+    assert missing == []
+
+
+@pytest.mark.parametrize("flag", ["--max-draft-length", "--max-draft-tokens"])
+def test_the_verifiers_draft_length_limit_takes_its_old_flag(flag):
+    from gateway.cli import settings_from_arguments
+
+    parser, settings_class = settings_parser("spade-verifier")
+    assert settings_from_arguments(parser, parser.parse_args([flag, "3"]), settings_class).max_draft_length == 3
+
+
+def test_the_old_env_var_and_keyword_still_set_it_and_the_new_spelling_wins(monkeypatch):
+    from verifier_service.settings import VerifierSettings
+
+    monkeypatch.setenv("SPADE_VERIFIER_MAX_DRAFT_TOKENS", "5")
+    assert VerifierSettings().max_draft_length == 5
+    monkeypatch.setenv("SPADE_VERIFIER_MAX_DRAFT_LENGTH", "6")
+    assert VerifierSettings().max_draft_length == 6
+    assert VerifierSettings(max_draft_tokens=7).max_draft_length == 7
+    assert VerifierSettings(max_draft_tokens=7, max_draft_length=8).max_draft_length == 8
+
+
+@pytest.mark.parametrize("field", ["host", "port", "device", "dtype", "threads", "gguf_file"])
+@pytest.mark.parametrize("prefix", ["SPADE_VERIFIER_", "SPADE_EDGE_"])
+def test_the_shared_settings_keep_each_services_env_var(monkeypatch, field, prefix):
+    from edge_agent.settings import EdgeSettings
+    from verifier_service.settings import VerifierSettings
+
+    value = {"host": "0.0.0.0", "port": "9123", "device": "cuda:1", "dtype": "bfloat16", "threads": "3", "gguf_file": "m.gguf"}[field]
+    monkeypatch.setenv(prefix + field.upper(), value)
+    settings = (VerifierSettings if prefix == "SPADE_VERIFIER_" else EdgeSettings)()
+    assert str(getattr(settings, field)) == value
+
+
+def test_each_service_keeps_its_own_port():
+    from edge_agent.settings import EdgeSettings
+    from verifier_service.settings import VerifierSettings
+
+    assert (VerifierSettings().port, EdgeSettings().port) == (8001, 8000)

@@ -265,7 +265,7 @@ def test_verify_timings_report_the_model_call_within_the_forward(invariant_clien
     assert 0 < timings["model_ms"] <= timings["forward_ms"] <= timings["total_ms"]
 
 
-def test_metrics_count_forwards_per_block_length(tiny_pair, library):
+def test_metrics_count_forwards_per_draft_length(tiny_pair, library):
     """A fresh call prefills (label 'prefill'), its follow-up with 3 drafted tokens feeds 4 rows
     (label '3'); a 5-token target-only completion (no EOS in it) is one prefill step and four
     one-row steps."""

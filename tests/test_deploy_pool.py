@@ -156,7 +156,9 @@ async def _stream_through_a_restart(pool: Pool) -> RestartedStream:
     settings = EdgeSettings(draft_model=str(pool.tiny_pair.draft_dir), verifier_url=pool.url, draft_length="3", verifier_api_key=KEY)
     engine = await build_engine(settings, EdgeMetrics(), transport=transport)
     stats, token_ids = SpadeStats(), []
-    request = GenerationRequest("pool", engine.tokenizer.encode(PROMPT), MAX_TOKENS, SamplingConfig(temperature=0), engine.eos_token_ids)
+    request = GenerationRequest(
+        "pool", engine.tokenizer.encode(PROMPT), MAX_TOKENS, SamplingConfig(temperature=0), engine.model.eos_token_ids
+    )
     try:
         async for batch in engine.generate(request, stats):
             token_ids += batch.token_ids

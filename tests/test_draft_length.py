@@ -1,4 +1,4 @@
-"""The block-length controller: the speed model, the optimum it picks with injected acceptance
+"""The draft-length policy: the speed model, the optimum it picks with injected acceptance
 and timings, adaptation within a request, the prior carried across requests, and its bounds."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from edge_agent.draft_length import (
     BlockOutcome,
     FixedDraftLength,
     VerifyTimeCurve,
+    draft_length_policy,
     expected_tokens,
     exposed_draft_s,
     parse_draft_length,
     tokens_per_s,
 )
+from edge_agent.settings import EdgeSettings
 
 # The speed model --------------------------------------------------------------------------------
 
@@ -219,27 +221,44 @@ def test_fixed_length_learns_nothing():
     assert controller.for_request().next_length() == 5
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("auto", AdaptiveDraftLength(max_length=12)),
-        (" AUTO ", AdaptiveDraftLength(max_length=12)),
-        ("5", FixedDraftLength(5)),
-        (3, FixedDraftLength(3)),
-    ],
-)
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), (" AUTO ", "auto"), ("5", 5), (" 7 ", 7), (3, 3)])
 def test_parse_draft_length(value, expected):
-    assert parse_draft_length(value, 12) == expected
+    assert parse_draft_length(value) == expected
 
 
-def test_parse_draft_length_passes_the_overlap_on():
-    assert parse_draft_length("auto", 12, overlap=True).overlap is True
-
-
-@pytest.mark.parametrize("value", ["0", "-2", "2.5", "five", ""])
+@pytest.mark.parametrize("value", ["0", "-2", "2.5", "five", "", 0, 2.5, True, None])
 def test_parse_draft_length_refuses_anything_but_a_positive_integer_or_auto(value):
     with pytest.raises(ValueError, match="positive integer or 'auto'"):
-        parse_draft_length(value, 12)
+        parse_draft_length(value)
+
+
+@pytest.mark.parametrize(
+    ("draft_length", "expected"),
+    [("auto", AdaptiveDraftLength(max_length=12, overlap=True)), (5, FixedDraftLength(5))],
+)
+def test_the_policy_follows_the_setting(draft_length, expected):
+    assert draft_length_policy(draft_length, 12, overlap=True) == expected
+
+
+def test_the_setting_is_parsed_once_into_its_value(monkeypatch):
+    """The settings hold the parsed value (an int or "auto"), which the policy takes as it is."""
+    monkeypatch.setenv("SPADE_EDGE_DRAFT_LENGTH", " Auto ")
+    assert EdgeSettings().draft_length == "auto"
+    assert EdgeSettings(draft_length="4").draft_length_policy() == FixedDraftLength(4)
+    with pytest.raises(ValueError, match="positive integer or 'auto'"):
+        EdgeSettings(draft_length="0")
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (FixedDraftLength(8), FixedDraftLength(2)),
+        (FixedDraftLength(1), FixedDraftLength(1)),
+        (AdaptiveDraftLength(max_length=16, overlap=True), AdaptiveDraftLength(max_length=2, overlap=True)),
+    ],
+)
+def test_the_verifiers_limit_caps_the_policy(policy, expected):
+    assert policy.within(2) == expected
 
 
 @pytest.mark.parametrize("arguments", [dict(max_length=0), dict(smoothing=0.0), dict(smoothing=1.5), dict(initial_acceptance=1.0)])

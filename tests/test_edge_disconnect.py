@@ -15,10 +15,11 @@ import httpx
 import pytest
 
 from edge_support import edge_app, metric_value, verifier_app
+from gateway.model import ModelDescription
 from servers import serve, wait_until
 from verifier_service.app import create_app as create_verifier_app
 from verifier_service.backends import create_backend
-from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.settings import VerifierSettings
 
 MAX_TOKENS = 1500
@@ -99,8 +100,12 @@ class HeldVerifyBackend(VerifierBackend):
         self.hold_s = hold_s
 
     @property
-    def info(self) -> ModelInfo:
-        return self.inner.info
+    def model(self) -> ModelDescription:
+        return self.inner.model
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
 
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         await asyncio.sleep(self.hold_s)

@@ -12,10 +12,11 @@ import pytest
 from edge_agent.draft_ahead import DraftAhead, join_blocks
 from edge_agent.draft_length import BlockOutcome, FixedDraftLength
 from edge_agent.drafter import DraftBlock
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.verifier_client import CallRecord
+from edge_agent.verifier_client import VerifyCall
 from gateway.engine import GenerationRequest
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import SparseDistribution, VerifyResponse, VerifyTimings
@@ -66,7 +67,7 @@ class ScriptedVerifier:
 
     latency_s: float = 0.2
     hang_on_call: int | None = None
-    records: list[CallRecord] = field(default_factory=list)
+    calls: list[VerifyCall] = field(default_factory=list)
     verdicts: list[tuple[list[int], list[int], int, int]] = field(default_factory=list)
     """(context, block, accepted, next token) of every answered call."""
     cancelled: list[int] = field(default_factory=list)
@@ -76,8 +77,8 @@ class ScriptedVerifier:
 
     async def verify(
         self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
-    ) -> VerifyResponse:
-        call = len(self.records)
+    ) -> VerifyCall:
+        call = len(self.calls)
         try:
             await asyncio.sleep(3600 if call == self.hang_on_call else self.latency_s)
         except asyncio.CancelledError:
@@ -90,9 +91,8 @@ class ScriptedVerifier:
             committed.append(token)
             num_accepted += 1
         next_token = target_rule(committed)
-        self.records.append(CallRecord(self.latency_s, 0, 0, False))
         self.verdicts.append((list(context), list(block.token_ids), num_accepted, next_token))
-        return VerifyResponse(
+        verdict = VerifyResponse(
             session_id="s",
             num_accepted=num_accepted,
             next_token=next_token,
@@ -102,6 +102,8 @@ class ScriptedVerifier:
             num_target_tokens=len(block.token_ids) + 1,
             timings=VerifyTimings(queue_ms=0.0, forward_ms=1.0, total_ms=1.0),
         )
+        self.calls.append(VerifyCall(verdict, self.latency_s, 0, 0, False))
+        return self.calls[-1]
 
     def close(self) -> None:
         pass
@@ -114,7 +116,7 @@ PROMPT = [5, 11, 2]
 
 
 def _engine(drafter, verifier, overlap: bool, draft_length: int = 4) -> SpeculativeEngine:
-    target = TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB)
+    target = ModelDescription("target", VOCAB, 10_000, frozenset({EOS}))
     return SpeculativeEngine(drafter, None, verifier, target, FixedDraftLength(draft_length), EdgeMetrics(), overlap=overlap)
 
 
@@ -217,7 +219,7 @@ async def test_the_controller_gets_no_draft_rate_from_the_block_that_prefilled_t
         ScriptedDrafter(),
         None,
         ScriptedVerifier(latency_s=0.01),
-        TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB, accepts_empty_block=True),
+        ModelDescription("target", VOCAB, 10_000, frozenset({EOS})),
         lengths,
         EdgeMetrics(),
         overlap=overlap,

@@ -20,6 +20,7 @@ Specification:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass, field
@@ -28,15 +29,17 @@ import httpx
 import pytest
 
 from edge_agent.draft_length import AdaptiveDraftLength, FixedDraftLength
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
+from edge_agent.verifier_client import VerifyCall
 from edge_support import RecordingTransport, in_process_engine
 from gateway.engine import GenerationRequest
 from gateway.errors import ServiceUnavailableError
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
 from test_edge_overlap import EOS, GREEDY, PROMPT, VOCAB, ScriptedDrafter, ScriptedVerifier, draft_rule, target_continuation, target_rule
-from verifier_service.protocol import VerifyResponse, VerifyTimings
+from verifier_service.protocol import VerifyTimings
 
 GATE_S = 30.0
 """How long a held draft forward waits for the test before giving up (a failure, not a timing)."""
@@ -47,17 +50,18 @@ PREFILL_S = 5.0
 class PrefillTimingVerifier(ScriptedVerifier):
     """Reports a long verifier time for the prompt-only call, 1 ms for every block."""
 
-    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyResponse:
-        verdict = await super().verify(context, block, sampling, num_top_logprobs)
+    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyCall:
+        call = await super().verify(context, block, sampling, num_top_logprobs)
         if block.token_ids:
-            return verdict
-        return verdict.model_copy(update={"timings": VerifyTimings(queue_ms=0.0, forward_ms=PREFILL_S * 1e3, total_ms=PREFILL_S * 1e3)})
+            return call
+        timings = VerifyTimings(queue_ms=0.0, forward_ms=PREFILL_S * 1e3, total_ms=PREFILL_S * 1e3)
+        return dataclasses.replace(call, verdict=call.verdict.model_copy(update={"timings": timings}))
 
 
 class OlderVerifier(ScriptedVerifier):
     """Refuses an empty block, as a verifier from before prefill-first does (a 400)."""
 
-    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyResponse:
+    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyCall:
         if not block.token_ids:
             raise AssertionError("an empty block sent to a verifier that refuses it")
         return await super().verify(context, block, sampling, num_top_logprobs)
@@ -69,7 +73,7 @@ class UnreachableVerifier(ScriptedVerifier):
 
     tried: list[list[int]] = field(default_factory=list)
 
-    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyResponse:
+    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyCall:
         self.tried.append(list(block.token_ids))
         raise ServiceUnavailableError("the verifier is gone", code="verifier_unavailable")
 
@@ -77,7 +81,7 @@ class UnreachableVerifier(ScriptedVerifier):
 def _engine(
     drafter, verifier, *, overlap=True, prefill_first=True, accepts_empty_block=True, draft_length=None, fallback=False, metrics=None
 ) -> SpeculativeEngine:
-    target = TargetDescription("target", 10_000, 64, frozenset({EOS}), VOCAB, accepts_empty_block=accepts_empty_block)
+    target = ModelDescription("target", VOCAB, 10_000, frozenset({EOS}))
     return SpeculativeEngine(
         drafter,
         None,
@@ -87,7 +91,7 @@ def _engine(
         metrics or EdgeMetrics(),
         fallback_to_draft=fallback,
         overlap=overlap,
-        prefill_first=prefill_first,
+        prefill_first=prefill_first and accepts_empty_block,  # as edge_agent.app decides from /health
     )
 
 
@@ -245,7 +249,7 @@ async def _first_tokens(pair, prefill_first: bool, seeds: range) -> tuple[list[i
         prompt = engine.tokenizer.encode("The edge drafts")
         edge, reference = [], []
         for seed in seeds:
-            request = GenerationRequest(f"seed-{seed}", prompt, 2, SamplingConfig(temperature=1.0, seed=seed), engine.eos_token_ids)
+            request = GenerationRequest(f"seed-{seed}", prompt, 2, SamplingConfig(temperature=1.0, seed=seed), engine.model.eos_token_ids)
             edge.append(await _first_token(engine, request))
             reference.append(await _first_token(target_only, request))
         return edge, reference, stack.transport.verify_bodies
@@ -297,7 +301,7 @@ async def test_against_an_older_verifier_the_edge_sends_a_drafted_block_first(ti
     async with in_process_engine(tiny_pair, transport_class=OlderVerifierTransport) as stack:
         assert not stack.engine.prefill_first
         prompt = stack.engine.tokenizer.encode("The edge drafts")
-        request = GenerationRequest("older", prompt, 12, GREEDY, stack.engine.eos_token_ids)
+        request = GenerationRequest("older", prompt, 12, GREEDY, stack.engine.model.eos_token_ids)
         stats = SpadeStats()
         tokens = [token async for batch in stack.engine.generate(request, stats) for token in batch.token_ids]
         reference = [token async for batch in stack.verifier.state.engine.generate(request, SpadeStats()) for token in batch.token_ids]
@@ -310,6 +314,6 @@ async def test_against_this_verifier_the_edge_uses_it(tiny_pair):
     async with in_process_engine(tiny_pair) as stack:
         assert stack.engine.prefill_first
         prompt = stack.engine.tokenizer.encode("The edge drafts")
-        request = GenerationRequest("current", prompt, 12, GREEDY, stack.engine.eos_token_ids)
+        request = GenerationRequest("current", prompt, 12, GREEDY, stack.engine.model.eos_token_ids)
         _ = [batch async for batch in stack.engine.generate(request, SpadeStats())]
     assert stack.transport.verify_bodies[0]["draft_tokens"] == []

@@ -45,7 +45,11 @@ async def _generate_ending_sessions_after_each_block(pair) -> tuple[Generation, 
     speculative engine while every verifier session is ended after each block."""
     async with in_process_engine(pair, draft_length="3") as stack:
         request = GenerationRequest(
-            "lost-session", stack.engine.tokenizer.encode(PROMPTS[0]), MAX_TOKENS, SamplingConfig(temperature=0), stack.engine.eos_token_ids
+            "lost-session",
+            stack.engine.tokenizer.encode(PROMPTS[0]),
+            MAX_TOKENS,
+            SamplingConfig(temperature=0),
+            stack.engine.model.eos_token_ids,
         )
         target_only = await _collect(stack.verifier.state.engine, request)
         service = stack.verifier.state.service

@@ -116,7 +116,7 @@ async def _draw_first_two(pair, sampling: SamplingConfig, num_seeds: int, edge_s
                 prompt_ids,
                 4,
                 SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, seed),
-                engine.eos_token_ids,
+                engine.model.eos_token_ids,
             )
             outcomes[await _first_two(engine, request)] += 1
         return outcomes

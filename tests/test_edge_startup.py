@@ -61,18 +61,23 @@ async def test_an_unreachable_verifier_gives_service_unavailable_naming_its_url(
             pass
 
 
-async def test_a_verifier_with_the_same_tokenizer_is_accepted(tiny_pair):
-    with serve(verifier_app(tiny_pair)) as verifier_url:
+async def test_a_verifier_with_the_same_tokenizer_is_accepted_and_its_model_adopted_whole(tiny_pair):
+    """One description of the served model: the verifier's backend produces it, its /health
+    carries it, and the edge serves under exactly that (id, limits, end tokens, logprobs)."""
+    verifier = verifier_app(tiny_pair, served_model_name="served-target", max_context_length=80)
+    with serve(verifier) as verifier_url:
         app = edge_app(tiny_pair, verifier_url)
         async with app.router.lifespan_context(app):
-            assert app.state.engine.model_id == "target"
+            adopted = app.state.engine.model
+        assert adopted == verifier.state.service.backend.model
+    assert (adopted.model_id, adopted.max_context_length, adopted.logprobs_support) == ("served-target", 80, "all")
 
 
 @pytest.fixture(scope="module")
 def strict_verifier_edge(tiny_pair):
     """An edge configured for blocks of 8 with 32-token distributions, in front of a verifier
     that accepts at most 2 drafted tokens of at most 4 tokens' support per call."""
-    verifier = verifier_app(tiny_pair, max_draft_tokens=2, max_draft_support=4)
+    verifier = verifier_app(tiny_pair, max_draft_length=2, max_draft_support=4)
     with serve(verifier) as verifier_url, serve(edge_app(tiny_pair, verifier_url, "8", max_draft_support=32)) as edge_url:
         yield edge_url
 

@@ -1,16 +1,22 @@
-"""Units of the edge agent: the engine's block and budget arithmetic, and the model drafter
-(greedy proposals, KV cache reuse, sampled distributions)."""
+"""Units of the edge agent: the engine's block and budget arithmetic, the account of a verified
+block (stats, metrics, policy), and the model drafter (greedy proposals, KV cache reuse,
+sampled distributions)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from edge_agent.draft_length import FixedDraftLength
+from edge_agent.draft_ahead import Drafting
+from edge_agent.draft_length import BlockOutcome, FixedDraftLength
 from edge_agent.drafter import ModelDrafter
-from edge_agent.engine import SpeculativeEngine, TargetDescription
+from edge_agent.engine import SpeculativeEngine, block_outcome, count_call
 from edge_agent.metrics import EdgeMetrics
+from edge_agent.verifier_client import VerifyCall
+from gateway.model import ModelDescription
+from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
+from verifier_service.protocol import VerifyResponse, VerifyTimings
 
 EOS = 9
 
@@ -32,24 +38,59 @@ def test_kept_tokens(emitted, remaining, kept):
     assert SpeculativeEngine.kept_tokens(emitted, remaining, frozenset({EOS})) == kept
 
 
-def _engine(draft_length: int = 5, max_context_length: int = 1000, max_draft_tokens: int = 64) -> SpeculativeEngine:
-    target = TargetDescription("target", max_context_length, max_draft_tokens, frozenset({EOS}), 384)
+def _engine(draft_length: int = 5, max_context_length: int = 1000) -> SpeculativeEngine:
+    target = ModelDescription("target", 384, max_context_length, frozenset({EOS}))
     return SpeculativeEngine(None, None, None, target, FixedDraftLength(draft_length), EdgeMetrics())
 
 
 @pytest.mark.parametrize(
     ("engine_arguments", "remaining", "context_length", "block"),
     [
-        (dict(draft_length=5), 100, 10, 5),  # the controller's choice
+        (dict(draft_length=5), 100, 10, 5),  # the policy's choice
         (dict(draft_length=5), 4, 10, 3),  # a block of 3 yields up to the 4 tokens left
         (dict(draft_length=5), 1, 10, 1),  # never an empty block
-        (dict(draft_length=5, max_draft_tokens=2), 100, 10, 2),  # the verifier's limit
         (dict(draft_length=5, max_context_length=64), 100, 60, 4),  # 60 + 4 drafted fed = 64
     ],
 )
-def test_block_length(engine_arguments, remaining, context_length, block):
+def test_draft_length(engine_arguments, remaining, context_length, block):
     engine = _engine(**engine_arguments)
-    assert engine.block_length(engine_arguments["draft_length"], remaining, context_length) == block
+    assert engine.draft_length(engine_arguments["draft_length"], remaining, context_length) == block
+
+
+# One verified block: the request's stats, the service's metrics, the policy's lesson ------------
+
+
+def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
+    verdict = VerifyResponse(
+        session_id="s",
+        num_accepted=2,
+        next_token=7,
+        next_token_kind="correction",
+        context_length=13,
+        num_target_tokens=4,
+        timings=VerifyTimings(queue_ms=1.0, forward_ms=30.0, total_ms=40.0),
+    )
+    call = VerifyCall(verdict, round_trip_s=0.5, bytes_sent=100, bytes_received=200, resynced=True)
+    drafting = Drafting(exposed_s=0.25, seconds_per_token=0.125)
+    stats = SpadeStats()
+    count_call(stats, call, 3, drafting)
+    expected = dict(verify_calls=1, drafted_tokens=3, accepted_tokens=2, target_tokens=4, resyncs=1)
+    assert stats == SpadeStats(**expected, draft_ms=250.0, verify_ms=500.0, verifier_forward_ms=30.0)
+    assert block_outcome(call, 3, drafting) == BlockOutcome(3, 2, 0.125, 0.5, 0.04, num_target_tokens=4)
+    metrics = EdgeMetrics()
+    metrics.observe_call(call, 3, drafting.exposed_s)
+    samples = {
+        name: metrics.registry.get_sample_value(f"spade_edge_{name}")
+        for name in ("verify_calls_total", "resyncs_total", "drafted_tokens_total", "accepted_tokens_total", "bytes_sent_total")
+    }
+    assert samples == {
+        "verify_calls_total": 1,
+        "resyncs_total": 1,
+        "drafted_tokens_total": 3,
+        "accepted_tokens_total": 2,
+        "bytes_sent_total": 100,
+    }
+    assert metrics.registry.get_sample_value("spade_edge_draft_length_sum") == 3
 
 
 # The model drafter ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 from gateway.engine import GeneratedTokens, GenerationRequest
 from gateway.errors import ServiceUnavailableError, install_error_handlers
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from gateway.routes import build_openai_router
 from spade_models.tiny import TinyPairSpec, build_tokenizer
@@ -39,16 +40,11 @@ class ScriptedEngine:
     requests: list[GenerationRequest] = field(default_factory=list)
     closed: int = 0
 
-    model_id: str = MODEL
     max_context_length: int = 256
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset({self.tokenizer.eos_token_id})
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
+    def model(self) -> ModelDescription:
+        return ModelDescription(MODEL, len(self.tokenizer), self.max_context_length, frozenset({self.tokenizer.eos_token_id}))
 
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
         self.requests.append(request)

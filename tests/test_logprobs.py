@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 import openai
@@ -40,6 +40,7 @@ from edge_support import edge_app, verifier_app
 from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport
 from gateway.errors import install_error_handlers
 from gateway.logprobs import TokenSpan, TokenSpans, token_bytes, token_text
+from gateway.model import ModelDescription
 from gateway.prompts import chat_prompt_ids, text_prompt_ids
 from gateway.protocol import SpadeStats
 from gateway.routes import build_openai_router
@@ -328,16 +329,12 @@ class ScriptedEngine:
     tokenizer: object
     script: list[str]
     logprobs_support: LogprobsSupport = "all"
-    model_id: str = MODEL
     max_context_length: int = 256
 
     @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset({self.tokenizer.eos_token_id})
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
+    def model(self) -> ModelDescription:
+        eos = frozenset({self.tokenizer.eos_token_id})
+        return ModelDescription(MODEL, len(self.tokenizer), self.max_context_length, eos, logprobs_support=self.logprobs_support)
 
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncIterator[GeneratedTokens]:
         alternative = self.tokenizer.convert_tokens_to_ids("a")
@@ -527,7 +524,8 @@ def test_the_verifier_says_which_calls_may_ask_and_an_older_one_says_none(urls):
 
 
 def test_a_verifier_that_cannot_report_them_refuses_the_call(tiny_pair, monkeypatch):
-    monkeypatch.setattr(transformers_backend.TransformersBackend, "logprobs_support", property(lambda self: "greedy"))
+    greedy_only = property(lambda self: replace(self._description, logprobs_support="greedy"))
+    monkeypatch.setattr(transformers_backend.TransformersBackend, "model", greedy_only)
     body = {
         "session_id": "s-greedy-only",
         "prefix_length": 0,

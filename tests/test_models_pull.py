@@ -22,7 +22,6 @@ from spade_models import cli, loader
 from spade_models.loader import (
     ModelSource,
     converted_dir,
-    eos_token_ids,
     file_cache_key,
     is_converted,
     load_model,
@@ -311,7 +310,7 @@ def test_a_gguf_is_converted_once_and_read_from_the_cache_after(tiny_gguf, tmp_p
     assert second.model_id == first.model_id == "tiny-qwen2-f32"
     assert torch.equal(last_logits(first), last_logits(second))
     assert tokenizer_fingerprint(first.tokenizer) == tokenizer_fingerprint(second.tokenizer)
-    assert eos_token_ids(first.model, first.tokenizer) == eos_token_ids(second.model, second.tokenizer)
+    assert first.eos_token_ids == second.eos_token_ids
     assert first.tokenizer.chat_template == second.tokenizer.chat_template
     assert second.num_parameters == first.num_parameters
 

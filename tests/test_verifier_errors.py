@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -142,6 +143,45 @@ def test_bad_verify_call_leaves_the_session_intact(client, model, vocab_size, ca
 def test_block_reaching_exactly_the_max_context_length_is_accepted(client, vocab_size):
     context = random_tokens(random.Random(26), MAX_CONTEXT - 3, vocab_size)
     assert post_verify(client, verify_body(new_session_id(), [], [5, 6, 7], new_tokens=context)).status_code == 200
+
+
+# --- the context-limit rule (gateway.model) at its boundary, on both routes ----------------------
+# Shared with the vLLM suite, whose model is described one token shorter: the limit is read
+# from /health. ``over`` 0: exactly at the limit (served); 1: one token past it (400, not 500).
+
+AT_THE_LIMIT = [(0, 200, None), (1, 400, "context_length_exceeded")]
+
+
+def verify_past_the_limit(client, vocab_size: int, over: int) -> httpx.Response:
+    """A fresh session's call whose context + 3 drafted tokens end ``over`` tokens past the limit."""
+    limit = client.get("/health").json()["max_context_length"]
+    context = random_tokens(random.Random(limit + over), limit - 3 + over, vocab_size)
+    return post_verify(client, verify_body(new_session_id(), [], [5, 6, 7], new_tokens=context))
+
+
+def complete_past_the_limit(client, vocab_size: int, over: int) -> httpx.Response:
+    """A completion whose prompt + max_tokens end ``over`` tokens past the limit."""
+    limit = client.get("/health").json()["max_context_length"]
+    prompt = random_tokens(random.Random(limit), limit - 2, vocab_size)
+    body = {"model": "target", "prompt": prompt, "max_tokens": 2 + over, "temperature": 0}
+    return client.post("/v1/completions", json=body)
+
+
+def outcome(response: httpx.Response, param: str) -> tuple[int, str | None]:
+    if response.status_code == 200:
+        return 200, None
+    assert error_of(response)[1:4] == (ENVELOPE_KEYS, "invalid_request_error", param)
+    return response.status_code, response.json()["error"]["code"]
+
+
+@pytest.mark.parametrize(("over", "status", "code"), AT_THE_LIMIT)
+def test_the_verify_route_applies_the_context_limit_at_its_boundary(client, vocab_size, over, status, code):
+    assert outcome(verify_past_the_limit(client, vocab_size, over), "draft_tokens") == (status, code)
+
+
+@pytest.mark.parametrize(("over", "status", "code"), AT_THE_LIMIT)
+def test_the_openai_route_applies_the_context_limit_at_its_boundary(client, vocab_size, over, status, code):
+    assert outcome(complete_past_the_limit(client, vocab_size, over), "max_tokens") == (status, code)
 
 
 def test_valid_draft_probs_are_accepted(client, model, vocab_size):

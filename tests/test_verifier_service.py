@@ -404,7 +404,7 @@ class ChainPlan:
 
     context: list[int]
     greedy: list[int]
-    steps: list[tuple[int, int, int]]  # (block length, corrupt position, replacement token)
+    steps: list[tuple[int, int, int]]  # (draft length, corrupt position, replacement token)
 
 
 def chain_plan(model, rng: random.Random, vocab_size: int) -> ChainPlan:

@@ -107,7 +107,7 @@ def verifier_app(tiny_pair, **overrides):
     settings = {
         "model": str(tiny_pair.target_dir),
         "max_context_length": MAX_CONTEXT,
-        "max_draft_tokens": MAX_DRAFT,
+        "max_draft_length": MAX_DRAFT,
         "max_draft_support": MAX_SUPPORT,
     }
     return create_app(VerifierSettings(**(settings | overrides)))

@@ -19,7 +19,7 @@ from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse
+from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse, model_fields
 from verifier_service.service import VerifierService
 from verifier_service.sessions import SessionRegistry
 from verifier_service.settings import VerifierSettings
@@ -66,7 +66,7 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings))
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics)
     app.state.engine = TargetOnlyEngine(backend, app.state.metrics)
-    logger.info("verifier ready: %s (%s backend)", backend.model_id, backend.name)
+    logger.info("verifier ready: %s (%s backend)", backend.model.model_id, backend.name)
 
 
 def _kv_budget(backend: VerifierBackend, settings: VerifierSettings) -> KvBudget | None:
@@ -74,7 +74,7 @@ def _kv_budget(backend: VerifierBackend, settings: VerifierSettings) -> KvBudget
     bytes_per_token = getattr(backend, "kv_bytes_per_token", None)
     if bytes_per_token is None:
         return None
-    return KvBudget.for_model(bytes_per_token, backend.info.max_context_length, settings.max_kv_cache_bytes)
+    return KvBudget.for_model(bytes_per_token, backend.model.max_context_length, settings.max_kv_cache_bytes)
 
 
 def current_service(request: Request) -> VerifierService:
@@ -108,25 +108,19 @@ def _add_verifier_routes(app: FastAPI) -> None:
                 vocab_size=0,
                 tokenizer_fingerprint="",
                 max_context_length=0,
-                max_draft_tokens=settings.max_draft_tokens,
+                max_draft_tokens=settings.max_draft_length,
                 max_draft_support=settings.max_draft_support,
                 eos_token_ids=[],
                 backend=settings.backend,
                 accepts_empty_block=True,
             )
             return JSONResponse(body.model_dump(), status_code=503)
-        info = service.backend.info
         body = VerifierHealth(
             status="ok",
-            model=service.backend.model_id,
-            vocab_size=info.vocab_size,
-            tokenizer_fingerprint=info.tokenizer_fingerprint,
-            max_context_length=info.max_context_length,
-            max_draft_tokens=service.limits.max_draft_tokens,
+            **model_fields(service.backend.model),
+            max_draft_tokens=service.limits.max_draft_length,
             max_draft_support=service.limits.max_draft_support,
-            eos_token_ids=sorted(info.eos_token_ids),
             backend=service.backend.name,
-            logprobs_support=service.backend.logprobs_support,
             accepts_empty_block=True,
         )
         return JSONResponse(body.model_dump())

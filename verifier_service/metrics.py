@@ -59,7 +59,7 @@ class VerifierMetrics:
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
         self.forward_seconds_by_block = Histogram(
             "spade_verifier_forward_seconds_by_block",
-            "The model call alone per forward, by drafted tokens (0 = a target-only step; 17+ pooled; "
+            "The model call alone per forward, by draft length (0 = a target-only step; 17+ pooled; "
             "'prefill' = calls that also fed uncached context): the curve t_verify(d)",
             ["num_drafted"],
             buckets=LATENCY_BUCKETS,

@@ -45,11 +45,12 @@ sends) nothing is computed, ``logprobs`` is [] and ``top_logprobs`` null. ``Veri
 from __future__ import annotations
 
 import hashlib
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.engine import LogprobsSupport
+from gateway.model import ModelDescription
 from gateway.protocol import MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import SamplingConfig
 
@@ -169,13 +170,39 @@ class SessionDeleted(BaseModel):
     deleted: bool
 
 
+def model_fields(model: ModelDescription) -> dict[str, Any]:
+    """The ``VerifierHealth`` fields that describe the served model, under their wire names."""
+    return {
+        "model": model.model_id,
+        "vocab_size": model.vocab_size,
+        "tokenizer_fingerprint": model.tokenizer_fingerprint,
+        "max_context_length": model.max_context_length,
+        "eos_token_ids": sorted(model.eos_token_ids),
+        "logprobs_support": model.logprobs_support,
+    }
+
+
+def described_model(health: VerifierHealth) -> ModelDescription:
+    """The served model as the verifier's ``/health`` describes it (``model_fields`` read back)."""
+    return ModelDescription(
+        model_id=health.model,
+        vocab_size=health.vocab_size,
+        max_context_length=health.max_context_length,
+        eos_token_ids=frozenset(health.eos_token_ids),
+        tokenizer_fingerprint=health.tokenizer_fingerprint,
+        logprobs_support=health.logprobs_support,
+    )
+
+
 class VerifierHealth(BaseModel):
+    """The verifier's state, limits and served model (``model_fields`` / ``described_model``)."""
+
     status: Literal["ok", "loading"]
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
     max_context_length: int
-    max_draft_tokens: int
+    max_draft_tokens: int  # the verifier's --max-draft-length (the wire keeps the older name)
     max_draft_support: int
     eos_token_ids: list[int]
     backend: str

@@ -30,13 +30,13 @@ PROB_SUM_TOLERANCE = 1e-3
 
 @dataclass(frozen=True)
 class VerifyLimits:
-    max_draft_tokens: int = 64
-    """Longest drafted block accepted in one call."""
+    max_draft_length: int = 64
+    """Longest draft length (drafted tokens) accepted in one call."""
     max_draft_support: int = 256
     """Most tokens in one drafted position's sparse distribution."""
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 1 or self.max_draft_support < 1:
+        if self.max_draft_length < 1 or self.max_draft_support < 1:
             raise ValueError("verify limits must be positive")
 
 
@@ -82,17 +82,17 @@ class VerifierService:
     def validate(self, request: VerifyRequest) -> torch.Tensor | None:
         """Check everything that does not depend on the session; returns the dense draft_probs."""
         num_drafted = len(request.draft_tokens)  # 0: the prompt-only call, answered with the target's next token
-        if num_drafted > self.limits.max_draft_tokens:
+        if num_drafted > self.limits.max_draft_length:
             raise InvalidRequestError(
-                f"at most {self.limits.max_draft_tokens} drafted tokens per call, got {num_drafted}", param="draft_tokens"
+                f"at most {self.limits.max_draft_length} drafted tokens per call, got {num_drafted}", param="draft_tokens"
             )
         self._check_token_ids(request.new_tokens, "new_tokens")
         self._check_token_ids(request.draft_tokens, "draft_tokens")
         if request.prefix_length == 0 and not request.new_tokens:
             raise InvalidRequestError("a call with prefix_length 0 must send the context in new_tokens", param="new_tokens")
-        self.validate_length(request.prefix_length + len(request.new_tokens), num_drafted)
+        self.backend.model.check_fits(request.prefix_length + len(request.new_tokens), num_drafted, param="draft_tokens")
         if request.num_top_logprobs is not None:
-            check_logprobs_support(self.backend.logprobs_support, request.sampling.to_config(), param="num_top_logprobs")
+            check_logprobs_support(self.backend.model.logprobs_support, request.sampling.to_config(), param="num_top_logprobs")
         if request.draft_probs is None:
             return None
         if len(request.draft_probs) != num_drafted:
@@ -103,25 +103,13 @@ class VerifierService:
             return None
         return self._dense_draft_probs(request.draft_probs, request.draft_tokens)
 
-    def validate_length(self, context_length: int, num_drafted: int) -> None:
-        """The forward feeds context + block; the next token is emitted, not fed, so a block
-        may end exactly at the context limit (the last token of a full context is verifiable)."""
-        if context_length + num_drafted > self.backend.info.max_context_length:
-            raise InvalidRequestError(
-                f"context ({context_length}) + block ({num_drafted}) exceeds the target's "
-                f"maximum context length {self.backend.info.max_context_length}",
-                param="draft_tokens",
-                code="context_length_exceeded",
-            )
-
     def _check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = self.backend.info.vocab_size
+        vocab_size = self.backend.model.vocab_size
         bad = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
         if bad:
             raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
 
     def _dense_draft_probs(self, rows: list[SparseDistribution], draft_tokens: list[int]) -> torch.Tensor:
-        dense = torch.zeros(len(rows), self.backend.info.vocab_size, dtype=torch.float32)
         for index, (row, drafted) in enumerate(zip(rows, draft_tokens, strict=True)):
             param = f"draft_probs.{index}"
             if len(row.token_ids) > self.limits.max_draft_support:
@@ -135,8 +123,7 @@ class VerifierService:
             support = dict(zip(row.token_ids, row.probs, strict=True))
             if support.get(drafted, 0.0) <= 0:
                 raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
-            dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / total
-        return dense
+        return dense_draft_probs(rows, self.backend.model.vocab_size)
 
     def _session_for(self, request: VerifyRequest) -> Session:
         if request.prefix_length == 0:
@@ -193,3 +180,12 @@ class VerifierService:
         for session_id in session_ids:
             self.backend.release_session(session_id)
         self.metrics.sessions.set(len(self.sessions))
+
+
+def dense_draft_probs(rows: list[SparseDistribution], vocab_size: int) -> torch.Tensor:
+    """The drafted distributions as a backend takes them: [len(rows), vocab_size] float32, each
+    sparse row spread over the vocabulary and renormalised (it sums to 1 within PROB_SUM_TOLERANCE)."""
+    dense = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
+    for index, row in enumerate(rows):
+        dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / math.fsum(row.probs)
+    return dense

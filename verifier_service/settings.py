@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -16,18 +16,18 @@ if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and 
 
 class VerifierSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPADE_VERIFIER_", protected_namespaces=())
+    RENAMED: ClassVar[dict[str, str]] = {"max_draft_tokens": "max_draft_length"}
 
     model: str = Field("qwen2.5-coder-1.5b-instruct", description="Target model: HF id, local directory, .gguf path or spade-models name.")
-    gguf_file: str | None = Field(None, description="GGUF file inside --model (a directory or hub repo) to load.")
     served_model_name: str | None = Field(None, description="Model id clients pass; defaults to the model's name.")
     backend: Literal["transformers", "vllm"] = Field("transformers", description="Engine running the target.")
-    host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8001, ge=0, le=65535, description="Port to listen on.")
-    device: str = Field("cpu", description="cpu, cuda, cuda:N or mps.")
-    dtype: str = Field("float32", description="float32, bfloat16 or float16 (float32 for bit-exact greedy).")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
-    max_context_length: int | None = Field(None, ge=2, description="Override the model's context length.")
-    max_draft_tokens: int = Field(64, ge=1, description="Longest drafted block per verify call.")
+    max_context_length: int | None = Field(
+        None,
+        ge=2,
+        description="Override the model's context length (the vLLM backend serves one token less: room for the token it returns).",
+    )
+    max_draft_length: int = Field(64, ge=1, description="Longest draft length (drafted tokens) one verify call may carry.")
     max_draft_support: int = Field(256, ge=1, description="Most tokens in one drafted position's distribution.")
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
     max_session_tokens: int = Field(2_000_000, ge=1, description="Committed tokens kept over all sessions.")
@@ -88,4 +88,4 @@ class VerifierSettings(ServiceSettings):
     def verify_limits(self) -> VerifyLimits:
         from verifier_service.service import VerifyLimits
 
-        return VerifyLimits(self.max_draft_tokens, self.max_draft_support)
+        return VerifyLimits(self.max_draft_length, self.max_draft_support)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport
+from gateway.engine import GeneratedTokens, GenerationRequest
+from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
@@ -22,28 +23,12 @@ class TargetOnlyEngine:
         self._metrics = metrics
 
     @property
-    def model_id(self) -> str:
-        return self._backend.model_id
+    def model(self) -> ModelDescription:
+        return self._backend.model
 
     @property
     def tokenizer(self):
-        return self._backend.info.tokenizer
-
-    @property
-    def max_context_length(self) -> int:
-        return self._backend.info.max_context_length
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self._backend.info.eos_token_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self._backend.info.vocab_size
-
-    @property
-    def logprobs_support(self) -> LogprobsSupport:
-        return self._backend.logprobs_support
+        return self._backend.tokenizer
 
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
         session_id = f"local-{request.request_id}"

@@ -65,19 +65,32 @@ def emitted_raw_logprobs(logits: torch.Tensor, first_row: int, emitted: list[int
     return [float(rows[index, token]) for index, token in enumerate(emitted)]
 
 
-async def test_info_describes_the_target(vllm_backend, vllm_pair, hf_target):
-    info = vllm_backend.info
+async def test_the_model_description_describes_the_target(vllm_backend, vllm_pair, hf_target):
+    model = vllm_backend.model
     assert vllm_backend.name == "vllm"
-    assert info.model_id == "target"
-    assert info.vocab_size == hf_target.model.get_output_embeddings().weight.shape[0]
-    assert info.max_context_length == 1024
-    assert info.eos_token_ids == frozenset({hf_target.tokenizer.convert_tokens_to_ids("<|im_end|>")})
-    assert info.tokenizer_fingerprint == tokenizer_fingerprint(hf_target.tokenizer)
+    assert model.model_id == "target"
+    assert model.vocab_size == hf_target.model.get_output_embeddings().weight.shape[0]
+    # One token short of max_model_len: vLLM keeps room for the token a scoring call returns.
+    assert model.max_context_length == vllm_backend.engine.model_config.max_model_len - 1 == 1023
+    assert model.eos_token_ids == frozenset({hf_target.tokenizer.convert_tokens_to_ids("<|im_end|>")})
+    assert model.tokenizer_fingerprint == tokenizer_fingerprint(hf_target.tokenizer)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_a_block_ending_exactly_at_the_context_limit_is_scored(vllm_backend, temperature):
+    """The rule of gateway.model: context + block may fill the context; the next token is
+    returned, not fed (regression: vLLM refused such a prompt, a 500 at the edge's last block)."""
+    vocab_size = vllm_backend.model.vocab_size
+    context = random_tokens(random.Random(8), vllm_backend.model.max_context_length - 2, vocab_size)
+    sampling = SamplingConfig(temperature=temperature, seed=4)
+    verdict = await vllm_backend.verify_block(BlockToVerify("at-the-limit", context, [5, 6], None, sampling))
+    vllm_backend.release_session("at-the-limit")
+    assert 0 <= verdict.num_accepted <= 2 and 0 <= verdict.next_token_id < vocab_size
 
 
 @pytest.mark.parametrize("num_drafted", [1, 4, 8])
 async def test_greedy_matches_vllm_generate_and_transformers(vllm_backend, target_logits, num_drafted):
-    vocab_size = vllm_backend.info.vocab_size
+    vocab_size = vllm_backend.model.vocab_size
     rng = random.Random(num_drafted)
     for case, length in enumerate(CONTEXT_LENGTHS):
         context = random_tokens(rng, length, vocab_size)
@@ -100,7 +113,7 @@ async def test_greedy_matches_vllm_generate_and_transformers(vllm_backend, targe
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_empty_block_is_one_target_step(vllm_backend, route):
-    context = random_tokens(random.Random(5), 40, vllm_backend.info.vocab_size)
+    context = random_tokens(random.Random(5), 40, vllm_backend.model.vocab_size)
     (expected,) = await vllm_greedy(vllm_backend, context, 1)
     verdict = await vllm_backend.with_route(route).verify_block(BlockToVerify("empty", context, [], None, GREEDY, num_top_logprobs=0))
     assert (verdict.num_accepted, verdict.next_token_id, verdict.is_bonus) == (0, expected, True)
@@ -136,7 +149,7 @@ async def test_emitted_token_follows_target_distribution(vllm_backend, hf_draft,
     """Drafts sampled from the draft model's own distribution q (so both acceptances and
     corrections happen); the first emitted token must be distributed as the target's p."""
     num_seeds, tolerance = 800, 0.07
-    context = random_tokens(random.Random(7), 24, vllm_backend.info.vocab_size)
+    context = random_tokens(random.Random(7), 24, vllm_backend.model.vocab_size)
     target_p = processed_probs(target_logits(context)[-1], SamplingConfig(**SAMPLED))
     with torch.inference_mode():
         draft_logits = hf_draft.model(input_ids=torch.tensor([context])).logits[0, -1].float()
@@ -165,7 +178,7 @@ async def test_emitted_token_follows_target_distribution(vllm_backend, hf_draft,
 async def test_one_seed_one_answer(vllm_backend, route):
     backend = vllm_backend.with_route(route)
     rng = random.Random(9)
-    context = random_tokens(rng, 50, backend.info.vocab_size)
+    context = random_tokens(rng, 50, backend.model.vocab_size)
     block = (await vllm_greedy(backend, context, 4))[:3] + [7]
 
     async def verdict_for(seed: int):
@@ -178,7 +191,7 @@ async def test_one_seed_one_answer(vllm_backend, route):
 
 
 async def test_num_target_tokens_counts_only_uncached_tokens(vllm_backend):
-    vocab_size = vllm_backend.info.vocab_size
+    vocab_size = vllm_backend.model.vocab_size
     rng = random.Random(13)
     context, block = random_tokens(rng, 101, vocab_size), random_tokens(rng, 4, vocab_size)
     first = await vllm_backend.verify_block(BlockToVerify("count", context, block, None, GREEDY))
@@ -208,7 +221,7 @@ async def edge_greedy_loop(backend, draft_model, session_id: str, prompt: list[i
 
 async def test_eight_concurrent_sessions_reproduce_vllm_greedy(vllm_backend, hf_draft):
     rng = random.Random(21)
-    prompts = [random_tokens(rng, rng.randint(8, 80), vllm_backend.info.vocab_size) for _ in range(8)]
+    prompts = [random_tokens(rng, rng.randint(8, 80), vllm_backend.model.vocab_size) for _ in range(8)]
     outputs = await asyncio.gather(
         *[edge_greedy_loop(vllm_backend, hf_draft, f"edge-{index}", prompt, 24, 4) for index, prompt in enumerate(prompts)]
     )
@@ -217,9 +230,8 @@ async def test_eight_concurrent_sessions_reproduce_vllm_greedy(vllm_backend, hf_
 
 
 async def test_bad_blocks_raise_value_error(vllm_backend):
-    info = vllm_backend.info
     with pytest.raises(ValueError, match="maximum context length"):
-        await vllm_backend.verify_block(BlockToVerify("bad", [4] * info.max_context_length, [5], None, GREEDY))
+        await vllm_backend.verify_block(BlockToVerify("bad", [4] * vllm_backend.model.max_context_length, [5], None, GREEDY))
     with pytest.raises(ValueError, match="at least one token"):
         await vllm_backend.verify_block(BlockToVerify("bad", [], [5], None, GREEDY))
     with pytest.raises(ValueError, match="draft_probs"):

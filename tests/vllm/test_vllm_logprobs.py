@@ -54,8 +54,8 @@ async def test_greedy_logprobs_are_the_target_log_softmax_with_its_top_tokens(vl
     backend = vllm_backend.with_route(route)
     rng = random.Random(31)
     for case, length in enumerate(CONTEXT_LENGTHS):
-        context = random_tokens(rng, length, backend.info.vocab_size)
-        block = random_tokens(rng, 4, backend.info.vocab_size)
+        context = random_tokens(rng, length, backend.model.vocab_size)
+        block = random_tokens(rng, 4, backend.model.vocab_size)
         request = BlockToVerify(f"lp-greedy-{route}-{case}", context, block, None, GREEDY, num_top_logprobs=3)
         verdict = await backend.verify_block(request)
         emitted = block[: verdict.num_accepted] + [verdict.next_token_id]
@@ -69,8 +69,8 @@ async def test_greedy_logprobs_are_the_target_log_softmax_with_its_top_tokens(vl
 async def test_full_logprobs_reports_the_sampled_distribution(vllm_backend, target_logits):
     backend = vllm_backend.with_route("full_logprobs")
     rng = random.Random(37)
-    context = random_tokens(rng, 40, backend.info.vocab_size)
-    block = random_tokens(rng, 3, backend.info.vocab_size)
+    context = random_tokens(rng, 40, backend.model.vocab_size)
+    block = random_tokens(rng, 3, backend.model.vocab_size)
     for seed in range(4):
         sampling = SamplingConfig(**SAMPLED, seed=seed)
         verdict = await backend.verify_block(BlockToVerify("lp-sampled", context, block, None, sampling, num_top_logprobs=5))
@@ -81,8 +81,9 @@ async def test_full_logprobs_reports_the_sampled_distribution(vllm_backend, targ
 
 
 async def test_sample_match_refuses_logprobs_at_temperature_above_zero(vllm_backend):
-    assert (vllm_backend.logprobs_support, vllm_backend.with_route("full_logprobs").logprobs_support) == ("greedy", "all")
-    context = random_tokens(random.Random(41), 20, vllm_backend.info.vocab_size)
+    supports = (vllm_backend.model.logprobs_support, vllm_backend.with_route("full_logprobs").model.logprobs_support)
+    assert supports == ("greedy", "all")
+    context = random_tokens(random.Random(41), 20, vllm_backend.model.vocab_size)
     sampled = BlockToVerify("lp-refused", context, [5], None, SamplingConfig(**SAMPLED, seed=1), num_top_logprobs=0)
     with pytest.raises(ValueError, match="sample_match"):
         await vllm_backend.verify_block(sampled)
@@ -90,7 +91,7 @@ async def test_sample_match_refuses_logprobs_at_temperature_above_zero(vllm_back
 
 @pytest.mark.parametrize("route", ROUTES)
 async def test_not_asked_no_logprobs(vllm_backend, route):
-    context = random_tokens(random.Random(43), 20, vllm_backend.info.vocab_size)
+    context = random_tokens(random.Random(43), 20, vllm_backend.model.vocab_size)
     for sampling in (GREEDY, SamplingConfig(**SAMPLED, seed=2)):
         verdict = await vllm_backend.with_route(route).verify_block(BlockToVerify("lp-none", context, [5, 6], None, sampling))
         assert (verdict.logprobs, verdict.top_logprobs) == (None, None)

@@ -20,7 +20,7 @@ import pytest
 
 from edge_support import edge_app
 from servers import serve
-from test_verifier_errors import BAD_VERIFY_CALLS
+from test_verifier_errors import AT_THE_LIMIT, BAD_VERIFY_CALLS, complete_past_the_limit, outcome, verify_past_the_limit
 from verifier_support import (
     ENVELOPE_KEYS,
     MAX_CONTEXT,
@@ -68,8 +68,16 @@ def vocab_size(hf_target) -> int:
 
 def test_health_names_the_vllm_backend(client, vocab_size):
     health = client.get("/health").json()
-    assert (health["backend"], health["vocab_size"], health["max_context_length"]) == ("vllm", vocab_size, MAX_CONTEXT)
+    # One token short of --max-context-length (vLLM's max_model_len): room for the returned token.
+    assert (health["backend"], health["vocab_size"], health["max_context_length"]) == ("vllm", vocab_size, MAX_CONTEXT - 1)
     assert health["accepts_empty_block"] is True
+
+
+@pytest.mark.parametrize(("over", "status", "code"), AT_THE_LIMIT)
+def test_the_context_limit_is_the_transformers_backends_rule(client, vocab_size, over, status, code):
+    """At the limit /health states, both routes serve; one token past it, a 400 (was a 500)."""
+    assert outcome(verify_past_the_limit(client, vocab_size, over), "draft_tokens") == (status, code)
+    assert outcome(complete_past_the_limit(client, vocab_size, over), "max_tokens") == (status, code)
 
 
 def test_an_empty_block_answers_the_targets_next_token_and_blocks_follow_it(client, model, vocab_size):
@@ -142,7 +150,9 @@ async def vllm_greedy_text(backend, tokenizer, prompt: str) -> str:
     """vLLM's own greedy generation of ``prompt`` (stopping at EOS), decoded."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, detokenize=False, stop_token_ids=sorted(backend.info.eos_token_ids))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_NEW_TOKENS, detokenize=False, stop_token_ids=sorted(backend.model.eos_token_ids)
+    )
     output = await backend.generate_tokens(tokenizer(prompt)["input_ids"], params)
     return tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 
 if TYPE_CHECKING:
     from verifier_service.settings import VerifierSettings
 
-__all__ = ["BlockToVerify", "BlockVerdict", "ModelInfo", "VerifierBackend", "create_backend"]
+__all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend"]
 
 
 async def create_backend(settings: VerifierSettings) -> VerifierBackend:
@@ -32,17 +32,19 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
             block_size=settings.vllm_block_size,
             kv_cache_gib=settings.vllm_kv_cache_gib,
             exact_route=settings.vllm_exact_route,
+            served_model_name=settings.served_model_name,
         )
     else:
         from spade_models.loader import load_model
         from verifier_service.backends.transformers_backend import TransformersBackend
 
         loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
-        # In a thread too: the CPU kernels may be compiled here (about a second, once per machine).
+        # In a thread too: the CPU kernels may be compiled here (a C compile, once per machine).
         transformers_backend = await asyncio.to_thread(
             TransformersBackend,
             loaded,
             settings.max_context_length,
+            served_model_name=settings.served_model_name,
             fast_kernels=settings.fast_kernels,
             batch_invariant=settings.batch_invariant,
         )
@@ -50,5 +52,4 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
         max_batch_sessions = 1 if settings.batch_invariant else settings.max_batch_sessions
         transformers_backend.enable_batching(max_batch_sessions, settings.batch_wait_ms / 1000.0)
         backend = transformers_backend
-    backend.served_model_name = settings.served_model_name
     return backend

@@ -15,25 +15,13 @@ first verify call of a generation carries the prompt alone.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from gateway.engine import LogprobsSupport, TopLogprobs
+from gateway.engine import TopLogprobs
+from gateway.model import ModelDescription
 from spade_core.params import SamplingConfig
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    model_id: str
-    """The id users pass as ``model`` and ``/v1/models`` lists."""
-    vocab_size: int
-    """Rows of the model's output distribution; valid token ids are below it."""
-    max_context_length: int
-    eos_token_ids: frozenset[int]
-    tokenizer: object = field(repr=False)
-    """A transformers tokenizer (chat template, decoding) for the OpenAI routes."""
-    tokenizer_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,21 +75,17 @@ class VerifierBackend(abc.ABC):
     """One target model behind the verify contract."""
 
     name: str = "base"
-    served_model_name: str | None = None
-    """Overrides the model id clients see (``--served-model-name``)."""
 
     @property
     @abc.abstractmethod
-    def info(self) -> ModelInfo: ...
+    def model(self) -> ModelDescription:
+        """The served model (the id clients pass, limits, end tokens, which blocks may ask for
+        logprobs): what ``/health``, the OpenAI routes and, through ``/health``, the edge use."""
 
     @property
-    def model_id(self) -> str:
-        return self.served_model_name or self.info.model_id
-
-    @property
-    def logprobs_support(self) -> LogprobsSupport:
-        """Which blocks may ask for logprobs (``num_top_logprobs``)."""
-        return "all"
+    @abc.abstractmethod
+    def tokenizer(self):
+        """A transformers tokenizer (chat template, decoding) for the OpenAI routes."""
 
     @abc.abstractmethod
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:

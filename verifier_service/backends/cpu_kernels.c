@@ -4,8 +4,8 @@
  * and called through ctypes on the model's own weights: W is the [N, K] row-major matrix
  * nn.Linear holds; nothing is repacked or copied.
  *
- * Why not torch's F.linear: on this CPU an fp32 GEMM of 2-16 rows costs 2-4x a one-row GEMV
- * (MKL moves from GEMV to GEMM kernels at M = 2), while reading the weights from memory is
+ * Why not torch's F.linear: an fp32 GEMM of a few rows costs several one-row GEMVs (MKL moves
+ * from GEMV to GEMM kernels at M = 2; docs/benchmarks.md), while reading the weights from memory is
  * what one row costs. Here y[m, n] is a dot product of x[m] with W[n], computed in register
  * tiles of MT rows x NT weight rows: each load of W serves MT rows, so a block of 9 rows reads
  * W from memory once, as one row does, and the extra rows' FMAs run while the next weights

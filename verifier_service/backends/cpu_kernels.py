@@ -1,7 +1,8 @@
 """CPU kernels for the target's forward: a block of d + 1 rows at about the cost of one row.
 
-On CPU the target's forward is its linear layers (87-92 % of a Qwen2.5-1.5B forward), and
-torch's fp32 GEMM pays for every extra row: a 9-row block cost 2-3x a one-row step. The kernel
+On CPU the target's forward is mostly its linear layers, and torch's fp32 GEMM pays for every
+extra row: a block of a few rows costs several one-row steps (docs/benchmarks.md, "Component
+measurements"). The kernel
 in ``cpu_kernels.c`` (built here with the system C compiler, cached per source and ISA) reads
 each weight row once for all rows of the block, straight from the model's own nn.Linear weights
 (nothing is copied or repacked; the transformers model stays the source of truth). See the C

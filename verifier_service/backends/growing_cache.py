@@ -1,9 +1,8 @@
 """A KV cache that appends in place, for the verifier's CPU fast path.
 
 transformers' DynamicLayer appends a forward's keys and values with torch.cat: every forward
-copies the whole cache into freshly allocated memory. On CPU that is most of what attention
-costs at long contexts (Qwen2.5-1.5B, 1,000 cached tokens: 2 MB per layer, 56 MB and as many
-newly mapped pages per forward; 31 ms of a 375 ms one-token step, 74 ms of a 9-token block).
+copies the whole cache into freshly allocated memory (and maps as many new pages). On CPU that
+is most of what attention costs at long contexts (docs/benchmarks.md, "Component measurements").
 ``GrowingLayer`` keeps keys and values as views into buffers with room for ``GROWTH_TOKENS``
 more tokens: a forward writes only its own rows, and cropping rejected drafts is a view, as in
 DynamicLayer. The memory held beyond the tokens is at most GROWTH_TOKENS per layer (Qwen2.5-1.5B:

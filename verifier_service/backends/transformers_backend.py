@@ -19,11 +19,12 @@ from functools import partial
 import torch
 
 from gateway.engine import TopLogprobs
+from gateway.model import ModelDescription
 from spade_core.acceptance import accept_block
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
 from spade_models.kv_cache import TokenCache, cache_argument_name
-from spade_models.loader import LoadedModel, eos_token_ids, tokenizer_fingerprint
-from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+from spade_models.loader import LoadedModel, tokenizer_fingerprint
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.backends.batching import BatchGatherer, verify_batch
 from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
 from verifier_service.backends.growing_cache import growing_cache
@@ -34,21 +35,26 @@ class TransformersBackend(VerifierBackend):
     name = "transformers"
 
     def __init__(
-        self, loaded: LoadedModel, max_context_length: int | None = None, *, fast_kernels: bool = False, batch_invariant: bool = False
+        self,
+        loaded: LoadedModel,
+        max_context_length: int | None = None,
+        *,
+        served_model_name: str | None = None,
+        fast_kernels: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
         model is patched in place, and the target-only route runs the same patched model)."""
         self._model = loaded.model
+        self._tokenizer = loaded.tokenizer
         self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
         self._device = torch.device(loaded.device)
-        config = loaded.model.config
-        native_context_length: int = getattr(config, "max_position_embeddings", 4096)
-        self._info = ModelInfo(
-            model_id=loaded.model_id,
+        native_context_length: int = getattr(loaded.model.config, "max_position_embeddings", 4096)
+        self._description = ModelDescription(
+            model_id=served_model_name or loaded.model_id,
             vocab_size=loaded.model.get_output_embeddings().weight.shape[0],
             max_context_length=max_context_length or native_context_length,
-            eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
-            tokenizer=loaded.tokenizer,
+            eos_token_ids=loaded.eos_token_ids,
             tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
         )
         self._cache_argument = cache_argument_name(loaded.model)
@@ -62,8 +68,12 @@ class TransformersBackend(VerifierBackend):
             self._gatherer = BatchGatherer(partial(verify_batch, self), self._executor, max_batch_sessions, batch_wait_s)
 
     @property
-    def info(self) -> ModelInfo:
-        return self._info
+    def model(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
 
     @property
     def num_cached_sessions(self) -> int:

@@ -35,15 +35,18 @@ the bonus row: greedy, one request over the context without prompt logprobs; sam
 request seeded for position n; full_logprobs, that request's full row and our draw for
 position n. A target-only step runs the very same requests and draws: both give the same token.
 
-Why sample_match (spade_bench/backend_bench.py, 2 CPU cores, fp32, 512-token contexts, 8 drafted):
-vLLM returns prompt logprobs as a [prompt_len - 1, k + 1] array for the WHOLE prompt (cached
-rows included) and turns it into Python lists, so full_logprobs costs prompt_len x vocab per
-call: 108 ms a call on the 384-token tiny vocabulary (sample_match: 29 ms) and 7.9 s on a
-32,768-token vocabulary (sample_match: 18 ms); at Qwen2.5's 151,936 it is out of reach. Its
-higher acceptance (tiny pair at temperature 1: 2.3 vs 0.9 drafted tokens per call) does not pay
-for that. sample_match's price is d + 1 requests, each recomputing its last partial block: on
-Qwen2.5-Coder-1.5B (fp32, CPU, 256-token contexts) 1.7 s a call against 0.68 s for a greedy
-scoring call (~50 vs ~10 target tokens computed).
+
+Why sample_match: vLLM returns prompt logprobs as a [prompt_len - 1, k + 1] array for the WHOLE
+prompt (cached rows included) and turns it into Python lists, so full_logprobs costs
+prompt_len x vocab per call: slower than sample_match already on a tiny vocabulary, by orders of
+magnitude on a 32k one, out of reach at Qwen2.5's 151,936; its higher acceptance does not pay for
+that. sample_match's price is d + 1 requests, each recomputing its last partial block, several
+times the target tokens of one greedy scoring call. The figures (spade_bench/backend_bench.py):
+README, "The vLLM backend", and docs/benchmarks.md, "Component measurements".
+
+Context length: vLLM refuses a prompt that leaves no room for a generated token, and a scoring
+call's prompt is the whole context + block, so the model is described with a context one token
+shorter than max_model_len; the service's one rule (``gateway.model``) then holds for vLLM too.
 
 Logprobs (blocks with num_top_logprobs). Temperature 0, both routes: vLLM's raw logprobs are our
 definition (spade_core.sampling.reported_logprobs), so the rows above are read with N
@@ -69,19 +72,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gateway.engine import LogprobsSupport, TopLogprobs
+from gateway.engine import TopLogprobs
+from gateway.model import ModelDescription
 from spade_core.acceptance import accept_block
 from spade_core.params import SamplingConfig
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
 from spade_models import loader
-from spade_models.loader import ModelSource, tokenizer_fingerprint
-from verifier_service.backends.base import BlockToVerify, BlockVerdict, ModelInfo, VerifierBackend
+from spade_models.loader import ModelSource, eos_token_ids, tokenizer_fingerprint
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.backends.vllm_requests import (
     GREEDY,
     RowEntry,
@@ -139,22 +143,32 @@ class EngineHandle:
 class VllmBackend(VerifierBackend):
     name = "vllm"
 
-    def __init__(self, engine: Any, info: ModelInfo, *, exact_route: str = "sample_match", startup: EngineStartup | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        model: ModelDescription,
+        tokenizer: Any,
+        *,
+        exact_route: str = "sample_match",
+        startup: EngineStartup | None = None,
+    ) -> None:
         if exact_route not in EXACT_ROUTES:
             raise ValueError(f"exact_route must be one of {EXACT_ROUTES}, got {exact_route!r}")
         self._handle = engine if isinstance(engine, EngineHandle) else EngineHandle(engine)
-        self._info = info
+        # full_logprobs reports logprobs at any temperature; sample_match only at 0.
+        self._description = replace(model, logprobs_support="all" if exact_route == "full_logprobs" else "greedy")
+        self._tokenizer = tokenizer
         self.exact_route = exact_route
         self.startup = startup
         self._known_sessions: set[str] = set()
 
     @property
-    def info(self) -> ModelInfo:
-        return self._info
+    def model(self) -> ModelDescription:
+        return self._description
 
     @property
-    def logprobs_support(self) -> LogprobsSupport:
-        return "all" if self.exact_route == "full_logprobs" else "greedy"
+    def tokenizer(self) -> Any:
+        return self._tokenizer
 
     @property
     def engine(self) -> Any:
@@ -165,7 +179,7 @@ class VllmBackend(VerifierBackend):
 
     def with_route(self, exact_route: str) -> VllmBackend:
         """A backend on the same engine using another exact route (for measuring both)."""
-        return VllmBackend(self._handle, self._info, exact_route=exact_route, startup=self.startup)
+        return VllmBackend(self._handle, self._description, self._tokenizer, exact_route=exact_route, startup=self.startup)
 
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         self._check_block(block)
@@ -210,17 +224,18 @@ class VllmBackend(VerifierBackend):
         return final
 
     def _check_block(self, block: BlockToVerify) -> None:
-        num_tokens = len(block.context_token_ids) + block.num_drafted + 1
+        """The service refuses such blocks first (400); reaching here is a caller's bug."""
         if not block.context_token_ids:
             raise ValueError("the context must hold at least one token")
-        if num_tokens > self._info.max_context_length:
+        num_fed = len(block.context_token_ids) + block.num_drafted
+        if num_fed > self._description.max_context_length:
             raise ValueError(
-                f"context + drafted block + next token = {num_tokens} tokens exceeds the model's "
-                f"maximum context length {self._info.max_context_length}"
+                f"context + drafted block = {num_fed} tokens exceeds the maximum context length {self._description.max_context_length}"
             )
-        if block.draft_probs is not None and tuple(block.draft_probs.shape) != (block.num_drafted, self._info.vocab_size):
-            raise ValueError(f"draft_probs must be [{block.num_drafted}, {self._info.vocab_size}]")
-        if block.num_top_logprobs is not None and not block.sampling.is_greedy and self.logprobs_support != "all":
+        vocab_size = self._description.vocab_size
+        if block.draft_probs is not None and tuple(block.draft_probs.shape) != (block.num_drafted, vocab_size):
+            raise ValueError(f"draft_probs must be [{block.num_drafted}, {vocab_size}]")
+        if block.num_top_logprobs is not None and not block.sampling.is_greedy and self._description.logprobs_support != "all":
             raise ValueError("the sample_match route reports no logprobs at temperature > 0")
 
     async def _verify_greedy(self, block: BlockToVerify) -> RouteResult:
@@ -287,7 +302,7 @@ class VllmBackend(VerifierBackend):
         prompt = block.context_token_ids + block.draft_token_ids
         scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, -1, -1))
         num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=-1)
-        vocab_size = self._info.vocab_size
+        vocab_size = self._description.vocab_size
         rows = [dense_row(output.outputs[0].logprobs, 0, vocab_size) for output in fetched]
         rows += [
             dense_row(scoring.prompt_logprobs, block.first_draft_position + j, vocab_size) for j in range(num_stale, block.num_drafted)
@@ -355,40 +370,30 @@ def _check_device(device: str) -> None:
         raise ValueError(f"this vLLM build runs on {current_platform.device_type!r}, not {device!r}")
 
 
-def _model_info(model_id: str, directory: str, engine: Any) -> ModelInfo:
+def _load_tokenizer(directory: str) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def describe_model(model_id: str, engine: Any, tokenizer: Any) -> ModelDescription:
+    """The served model as vLLM runs it. Its context is one token shorter than max_model_len:
+    vLLM refuses a prompt that leaves no room for a generated token, and a verify call's prompt
+    is the whole context + block (the rule in ``gateway.model``)."""
     model_config = engine.model_config
-    return ModelInfo(
+    return ModelDescription(
         model_id=model_id,
         vocab_size=model_config.get_vocab_size(),
-        max_context_length=model_config.max_model_len,
-        eos_token_ids=_eos_token_ids(model_config, tokenizer),
-        tokenizer=tokenizer,
+        max_context_length=model_config.max_model_len - 1,
+        eos_token_ids=eos_token_ids(tokenizer, model_config.try_get_generation_config(), model_config.hf_text_config),
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
     )
-
-
-def _eos_token_ids(model_config: Any, tokenizer: Any) -> frozenset[int]:
-    """The generation config's eos ids (often a list), the model config's and the tokenizer's."""
-    ids: set[int] = set()
-    for configured in (
-        model_config.try_get_generation_config().get("eos_token_id"),
-        getattr(model_config.hf_text_config, "eos_token_id", None),
-        tokenizer.eos_token_id,
-    ):
-        if isinstance(configured, int):
-            ids.add(configured)
-        elif configured:
-            ids.update(configured)
-    return frozenset(ids)
 
 
 async def warm_up(backend: VllmBackend) -> None:
     """Run each request kind once: vLLM initialises the prompt-logprobs path lazily (seconds)."""
     block_size = backend.engine.vllm_config.cache_config.block_size
-    context = [index % backend.info.vocab_size for index in range(2 * block_size)]
+    context = [index % backend.model.vocab_size for index in range(2 * block_size)]
     greedy = BlockToVerify("warm-up", context, context[:3], None, GREEDY)
     sampled = BlockToVerify("warm-up", context, context[:3], None, SamplingConfig(temperature=1.0, seed=1))
     await backend.verify_block(greedy)  # cold
@@ -407,6 +412,7 @@ async def create_vllm_backend(
     block_size: int = 32,
     kv_cache_gib: float | None = 1.0,
     exact_route: str = "sample_match",
+    served_model_name: str | None = None,
     **engine_kwargs: Any,
 ) -> VllmBackend:
     """Start vLLM's async engine on ``source`` and wrap it in the verify contract.
@@ -433,7 +439,9 @@ async def create_vllm_backend(
     engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**arguments))
     engine_s = time.perf_counter() - started
     try:
-        backend = VllmBackend(engine, _model_info(source.model_id, directory, engine), exact_route=exact_route)
+        tokenizer = await asyncio.to_thread(_load_tokenizer, directory)
+        model = describe_model(served_model_name or source.model_id, engine, tokenizer)
+        backend = VllmBackend(engine, model, tokenizer, exact_route=exact_route)
         await warm_up(backend)
     except BaseException:
         engine.shutdown()
