@@ -63,6 +63,27 @@ def test_batched_forward_matches_a_plain_forward_for_mixed_cached_and_new_length
         assert entry.cache.get_seq_length() == len(context)
 
 
+def test_only_the_scored_rows_reach_the_output_layer(model, vocab_size):
+    # A long prefill beside short blocks: each session gets its last k rows, equal to a plain
+    # forward's, and the output layer sees only the positions some session scores (not the
+    # padded batch's whole length for every session).
+    rng = random.Random(2)
+    cached_lengths, new_lengths, scored = [0, 12, 5], [40, 3, 6], [1, 3, 2]
+    contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths, strict=True)]
+    entries = [_filled_cache(model, context[:c]) for context, c in zip(contexts, cached_lengths, strict=True)]
+    new_ids = [context[c:] for context, c in zip(contexts, cached_lengths, strict=True)]
+    projected: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: projected.append(args[0].shape[1]))
+    try:
+        logits = batched_forward(model, entries, new_ids, cache_argument_name(model), torch.device("cpu"), scored)
+    finally:
+        hook.remove()
+    assert projected == [len({39} | {0, 1, 2} | {4, 5})]  # positions 39; 0-2; 4-5
+    for context, k, rows in zip(contexts, scored, logits, strict=True):
+        assert rows.shape == (k, vocab_size)
+        torch.testing.assert_close(rows, plain_forward_logits(model, context)[-k:], atol=1e-4, rtol=1e-4)
+
+
 def test_a_cache_split_back_from_a_batch_serves_the_next_one_session_forward(model, vocab_size):
     rng = random.Random(1)
     contexts = [random_tokens(rng, 6, vocab_size), random_tokens(rng, 15, vocab_size)]

@@ -143,13 +143,25 @@ def _settle(future: asyncio.Future, verdict: BlockVerdict | None = None, error: 
 
 
 def batched_forward(
-    model: PreTrainedModel, entries: Sequence[TokenCache], new_token_ids: Sequence[list[int]], cache_argument: str, device: torch.device
+    model: PreTrainedModel,
+    entries: Sequence[TokenCache],
+    new_token_ids: Sequence[list[int]],
+    cache_argument: str,
+    device: torch.device,
+    num_scored: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """One forward over every session's new tokens; each entry's cache is replaced by its slice
     of the batch's cache (covering its old tokens + new ones). Returns per session the fp32
-    logits of its new rows, [n_i, vocab]."""
+    logits of its last ``num_scored[i]`` new rows (all of them by default), [k_i, vocab].
+
+    Only the rows some session scores go through the output layer: a session prefilling a
+    500-token prompt beside blocks of 9 would otherwise cost 500 x vocabulary logits per session
+    of the batch (the padded batch has one length), most of a forward's time and gigabytes."""
     cached = [entry.cache.get_seq_length() for entry in entries]
     num_new = [len(ids) for ids in new_token_ids]
+    scored = [range(n - k, n) for n, k in zip(num_new, num_scored or num_new, strict=True)]
+    kept_positions = sorted({position for rows in scored for position in rows})
+    column = {position: index for index, position in enumerate(kept_positions)}
     max_cached, max_new = max(cached), max(num_new)
     input_ids = torch.full((len(entries), max_new), PAD_TOKEN_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(entries), max_cached + max_new), dtype=torch.long)
@@ -165,11 +177,12 @@ def batched_forward(
             attention_mask=attention_mask.to(device),
             position_ids=position_ids.to(device),
             use_cache=True,
+            logits_to_keep=torch.tensor(kept_positions, device=device),
             **{cache_argument: batch_cache},
         )
     for row, entry in enumerate(entries):
         entry.cache = session_slice(model, batch_cache, row, max_cached - cached[row], max_cached + num_new[row])
-    return [output.logits[row, : num_new[row]].float() for row in range(len(entries))]
+    return [output.logits[row, [column[position] for position in rows]].float() for row, rows in enumerate(scored)]
 
 
 def stacked_cache(model: PreTrainedModel, entries: Sequence[TokenCache], max_cached: int) -> DynamicCache:
@@ -230,10 +243,10 @@ def verify_batch(backend, batch: list[PendingCall]) -> list[BlockVerdict]:
     new_token_ids = [
         entry.reuse_for(call.block.context_token_ids) + call.block.draft_token_ids for entry, call in zip(entries, batch, strict=True)
     ]
-    logits = batched_forward(backend._model, entries, new_token_ids, backend._cache_argument, backend._device)
+    # The scored rows are the block's: the last context token's, then each drafted token's.
+    num_scored = [call.block.num_drafted + 1 for call in batch]
+    logits = batched_forward(backend._model, entries, new_token_ids, backend._cache_argument, backend._device, num_scored)
     verdicts = []
-    for entry, call, ids, rows in zip(entries, batch, new_token_ids, logits, strict=True):
-        # The scored rows are the block's: the last context token's, then each drafted token's.
-        scored = rows[len(ids) - call.block.num_drafted - 1 :]
+    for entry, call, ids, scored in zip(entries, batch, new_token_ids, logits, strict=True):
         verdicts.append(backend._conclude(entry, call.block, len(ids), scored, call.queued_at, started, len(batch)))
     return verdicts
