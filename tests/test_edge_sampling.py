@@ -50,6 +50,10 @@ the first call carries a drafted block and both tokens go through the acceptance
 
 Outcome = tuple[int, ...]
 
+STATISTICAL = pytest.mark.slow
+"""The draws take minutes of CPU (10,000 generations): the slow suite, which .ci/run runs after
+the default one (``scripts/test -m slow``). The seeded-request tests below stay in the default suite."""
+
 XDIST_SPLIT_BY = "setting"
 """Each setting's draws take a minute: the settings run on different workers (conftest.py)."""
 XDIST_HEAVY = True
@@ -158,24 +162,28 @@ def _exact(model: LoadedModel, setting: str) -> dict[Outcome, float]:
     return exact_first_two(model, model.tokenizer.encode(PROMPT), SETTINGS[setting], eos_token_ids)
 
 
+@STATISTICAL
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_first_two_tokens_follow_the_exact_target_distribution(speculative_draws, letters_models, setting):
     target, _ = letters_models
     assert chi_square_p_value(speculative_draws(setting), _exact(target, setting)) > 1e-3
 
 
+@STATISTICAL
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_no_outcome_outside_the_target_support_is_ever_drawn(speculative_draws, letters_models, setting):
     target, _ = letters_models
     assert set(speculative_draws(setting)) - set(_exact(target, setting)) == set()
 
 
+@STATISTICAL
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_the_same_draws_reject_the_draft_model_distribution(speculative_draws, letters_models, setting):
     _, draft = letters_models
     assert chi_square_p_value(speculative_draws(setting), _exact(draft, setting)) < 1e-6
 
 
+@STATISTICAL
 @pytest.mark.xdist_group("test_edge_sampling-temperature-1")  # with the tests that draw these
 def test_the_draws_cover_many_outcomes(speculative_draws):
     """The test has something to compare: at temperature 1 at least 10 outcomes are seen 5 times."""

@@ -129,7 +129,7 @@ async def test_a_block_after_an_empty_one_answers_as_on_a_fresh_session(vllm_bac
     cache; the next block's verdict must not depend on that (sample_match then skips its
     cold-context request). One seed, one answer, either way."""
     backend = vllm_backend.with_route(route)
-    context = random_tokens(random.Random(17), 45, backend.info.vocab_size)
+    context = random_tokens(random.Random(17), 45, backend.model.vocab_size)
     outcomes = []
     for seed in range(6):
         sampling = SamplingConfig(**SAMPLED, seed=seed)
