@@ -11,7 +11,7 @@ import pytest
 from gateway.errors import InvalidRequestError
 from gateway.model import ModelDescription
 from spade_models.loader import eos_token_ids
-from verifier_service.protocol import VerifierHealth, described_model, model_fields
+from verifier_service.protocol import VerifierHealth, described_model, health_fields
 
 MODEL = ModelDescription("target", 384, 32, frozenset({9, 2}), "f1ngerprint", "greedy")
 
@@ -39,12 +39,12 @@ def test_the_context_limit_rule_at_its_boundary(num_held, num_added, fits):
 
 
 def test_the_description_round_trips_through_the_health_json():
-    health = VerifierHealth(status="ok", **model_fields(MODEL), max_draft_tokens=8, max_draft_support=16, backend="vllm")
+    health = VerifierHealth(status="ok", **health_fields(MODEL), max_draft_tokens=8, max_draft_support=16, backend="vllm")
     assert described_model(VerifierHealth.model_validate_json(health.model_dump_json())) == MODEL
 
 
 def test_the_health_json_keeps_the_wire_shape_an_older_edge_reads():
-    body = VerifierHealth(status="ok", **model_fields(MODEL), max_draft_tokens=8, max_draft_support=16, backend="vllm").model_dump()
+    body = VerifierHealth(status="ok", **health_fields(MODEL), max_draft_tokens=8, max_draft_support=16, backend="vllm").model_dump()
     assert {key: body[key] for key in ("model", "vocab_size", "max_context_length", "eos_token_ids", "tokenizer_fingerprint")} == {
         "model": "target",
         "vocab_size": 384,
@@ -55,7 +55,7 @@ def test_the_health_json_keeps_the_wire_shape_an_older_edge_reads():
 
 
 def test_an_older_verifiers_health_describes_a_model_without_logprobs():
-    body = model_fields(MODEL) | {"status": "ok", "max_draft_tokens": 8, "max_draft_support": 16, "backend": "transformers"}
+    body = health_fields(MODEL) | {"status": "ok", "max_draft_tokens": 8, "max_draft_support": 16, "backend": "transformers"}
     del body["logprobs_support"]
     assert described_model(VerifierHealth.model_validate(body)).logprobs_support == "none"
 

@@ -19,7 +19,7 @@ from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse, model_fields
+from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse, health_fields
 from verifier_service.service import VerifierService
 from verifier_service.sessions import SessionRegistry
 from verifier_service.settings import VerifierSettings
@@ -117,7 +117,7 @@ def _add_verifier_routes(app: FastAPI) -> None:
             return JSONResponse(body.model_dump(), status_code=503)
         body = VerifierHealth(
             status="ok",
-            **model_fields(service.backend.model),
+            **health_fields(service.backend.model),
             max_draft_tokens=service.limits.max_draft_length,
             max_draft_support=service.limits.max_draft_support,
             backend=service.backend.name,

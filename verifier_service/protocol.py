@@ -170,7 +170,7 @@ class SessionDeleted(BaseModel):
     deleted: bool
 
 
-def model_fields(model: ModelDescription) -> dict[str, Any]:
+def health_fields(model: ModelDescription) -> dict[str, Any]:
     """The ``VerifierHealth`` fields that describe the served model, under their wire names."""
     return {
         "model": model.model_id,
@@ -183,7 +183,7 @@ def model_fields(model: ModelDescription) -> dict[str, Any]:
 
 
 def described_model(health: VerifierHealth) -> ModelDescription:
-    """The served model as the verifier's ``/health`` describes it (``model_fields`` read back)."""
+    """The served model as the verifier's ``/health`` describes it (``health_fields`` read back)."""
     return ModelDescription(
         model_id=health.model,
         vocab_size=health.vocab_size,
@@ -195,7 +195,7 @@ def described_model(health: VerifierHealth) -> ModelDescription:
 
 
 class VerifierHealth(BaseModel):
-    """The verifier's state, limits and served model (``model_fields`` / ``described_model``)."""
+    """The verifier's state, limits and served model (``health_fields`` / ``described_model``)."""
 
     status: Literal["ok", "loading"]
     model: str
