@@ -38,7 +38,18 @@ from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
-from test_edge_overlap import EOS, GREEDY, PROMPT, VOCAB, ScriptedDrafter, ScriptedVerifier, draft_rule, target_continuation, target_rule
+from test_edge_overlap import (
+    EOS,
+    GREEDY,
+    PROMPT,
+    VOCAB,
+    ScriptedDrafter,
+    ScriptedVerifier,
+    _generate,
+    draft_rule,
+    target_continuation,
+    target_rule,
+)
 from verifier_service.protocol import VerifyTimings
 
 GATE_S = 30.0
@@ -93,14 +104,6 @@ def _engine(
         overlap=overlap,
         prefill_first=prefill_first and accepts_empty_block,  # as edge_agent.app decides from /health
     )
-
-
-async def _generate(engine: SpeculativeEngine, max_tokens: int) -> tuple[list[int], SpadeStats]:
-    stats = SpadeStats()
-    request = GenerationRequest("r", PROMPT, max_tokens, GREEDY, frozenset({EOS}))
-    tokens = [token for batch in [batch async for batch in engine.generate(request, stats)] for token in batch.token_ids]
-    await engine.aclose()
-    return tokens, stats
 
 
 def _draft_continuation(prompt: list[int], num_tokens: int) -> list[int]:
