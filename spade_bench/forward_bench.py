@@ -1,6 +1,6 @@
 """The target's forward time against the draft length: t(d) for d drafted tokens (d + 1 rows
-fed on top of a cached context), stock transformers vs the verifier's CPU kernels, fast and
-batch-invariant, side by side in one process on one loaded model.
+fed on top of a cached context), stock transformers vs the verifier's CPU kernels (fast, fast
+without packed weights, batch-invariant), side by side in one process on one loaded model.
 
     python -m spade_bench.forward_bench                                  # tiny target, built here
     taskset -c 1 python -m spade_bench.forward_bench --model qwen2.5-coder-1.5b-instruct \
@@ -38,7 +38,9 @@ from spade_models.pull import resolve_cache_dir
 from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
 from verifier_service.backends.growing_cache import growing_cache
 
-MODES = ("stock", "fast", "batch_invariant")
+MODES = ("stock", "fast_dot", "fast", "batch_invariant")
+"""fast_dot: the fast mode with every weight left row-major (the kernel's dot-product form, as
+before weights were packed); fast and batch_invariant pack the weights as the verifier does."""
 DRAFTED = (0, 1, 2, 4, 8, 16)
 """d = 0 is one target-only step (one row); d drafted tokens feed d + 1 rows."""
 
@@ -62,7 +64,7 @@ class Timings:
 
 
 class ForwardBench:
-    """One model, its cache over a random context, and the three modes to switch between."""
+    """One model, its cache over a random context, and the modes to switch between."""
 
     def __init__(self, model, library, seed: int = 0) -> None:
         self.model = model
@@ -77,7 +79,9 @@ class ForwardBench:
             self.patch.remove()
             self.patch = None
         if mode != "stock":
-            self.patch = apply_cpu_kernels(self.model, self.library, batch_invariant=mode == "batch_invariant")
+            self.patch = apply_cpu_kernels(
+                self.model, self.library, batch_invariant=mode == "batch_invariant", pack_weights=mode != "fast_dot"
+            )
 
     def random_tokens(self, count: int) -> torch.Tensor:
         return torch.randint(3, self.vocab_size, (1, count), generator=self.generator)

@@ -32,8 +32,11 @@ from spade_models.loader import ModelSource, load_model
 from test_edge_greedy import CASES, generate
 from verifier_service.backends.cpu_kernels import (
     apply_cpu_kernels,
+    can_pack,
     load_kernel_library,
+    pack_weight,
     prepare_cpu_kernels,
+    shared_parameters,
 )
 from verifier_service.backends.growing_cache import GROWTH_TOKENS, growing_cache
 from verifier_service.metrics import block_label
@@ -64,47 +67,78 @@ def model(tiny_pair):
     return load_model(ModelSource(str(tiny_pair.target_dir))).model
 
 
-def kernel_linear(library, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int = 1):
+FORMS = ["dot", "packed"]
+"""The kernel's two forms: on the row-major weight, and on the weight packed in panels."""
+
+
+def kernel_linear(library, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int = 1, form: str = "dot"):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return library.linear(rows, weight, bias)
+        if form == "dot":
+            return library.linear(rows, weight, bias)
+        packed = weight.clone()
+        pack_weight(packed, library.panel_width)
+        return library.packed_linear(rows, packed, bias)
     finally:
         torch.set_num_threads(previous)
 
 
+def output_count(library, form: str, num_outputs: int) -> int:
+    """The packed form takes whole panels: round the output count up to one."""
+    width = library.panel_width
+    return num_outputs if form == "dot" else -(-num_outputs // width) * width
+
+
 # --- the kernel -------------------------------------------------------------------------------
 
-SHAPES = [(1, 7, 5), (3, 13, 37), (9, 40, 64), (10, 41, 100), (17, 100, 130), (40, 33, 16), (2, 1, 1)]
-"""(rows, outputs, inputs): K below, at and past the vector width, N with edge columns, M in one
-group and in several."""
+SHAPES = [(1, 7, 5), (3, 13, 37), (9, 40, 64), (10, 41, 100), (17, 100, 130), (40, 33, 16), (2, 1, 1), (13, 70, 2100)]
+"""(rows, outputs, inputs): K below, at and past the vector width and past the packed form's K
+block (1024), N with edge columns (the dot form) and with one to several panels and a last
+partial group of panels (the packed form, N rounded up to whole panels), M in one group and in
+several (with groups of two heights)."""
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("num_rows,num_outputs,num_inputs", SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_kernel_matches_a_float64_reference(library, num_rows, num_outputs, num_inputs, with_bias):
+def test_kernel_matches_a_float64_reference(library, form, num_rows, num_outputs, num_inputs, with_bias):
+    num_outputs = output_count(library, form, num_outputs)
     generator = torch.Generator().manual_seed(num_rows * 1000 + num_inputs)
     rows, weight = torch.randn(num_rows, num_inputs, generator=generator), torch.randn(num_outputs, num_inputs, generator=generator)
     bias = torch.randn(num_outputs, generator=generator) if with_bias else None
     expected = torch.nn.functional.linear(rows.double(), weight.double(), None if bias is None else bias.double())
     tolerance = 1e-6 * (num_inputs + 1) * (rows.abs().max() * weight.abs().max() + 1).item()
-    assert (kernel_linear(library, rows, weight, bias).double() - expected).abs().max().item() <= tolerance
+    assert (kernel_linear(library, rows, weight, bias, form=form).double() - expected).abs().max().item() <= tolerance
 
 
-@pytest.mark.parametrize("num_rows", [2, 3, 5, 8, 9, 10, 16, 17, 40])
-def test_kernel_row_is_bitwise_the_same_alone_or_among_others(library, num_rows):
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("num_rows", [2, 3, 5, 8, 9, 10, 13, 16, 17, 40])
+def test_kernel_row_is_bitwise_the_same_alone_or_among_others(library, form, num_rows):
     generator = torch.Generator().manual_seed(num_rows)
-    rows = torch.randn(num_rows, 100, generator=generator)
-    weight, bias = torch.randn(75, 100, generator=generator), torch.randn(75, generator=generator)
-    together = kernel_linear(library, rows, weight, bias)
-    alone = torch.cat([kernel_linear(library, rows[index : index + 1].clone(), weight, bias) for index in range(num_rows)])
+    num_outputs, num_inputs = output_count(library, form, 75), 100 if form == "dot" else 1100
+    rows = torch.randn(num_rows, num_inputs, generator=generator)
+    weight, bias = torch.randn(num_outputs, num_inputs, generator=generator), torch.randn(num_outputs, generator=generator)
+    together = kernel_linear(library, rows, weight, bias, form=form)
+    alone = torch.cat([kernel_linear(library, rows[index : index + 1].clone(), weight, bias, form=form) for index in range(num_rows)])
     assert torch.equal(together, alone)
 
 
-def test_kernel_output_does_not_depend_on_the_thread_count(library):
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("num_rows", [9, 20])
+def test_kernel_output_does_not_depend_on_the_thread_count(library, form, num_rows):
     generator = torch.Generator().manual_seed(7)
-    rows, weight = torch.randn(9, 256, generator=generator), torch.randn(700, 256, generator=generator)
-    assert torch.equal(kernel_linear(library, rows, weight, None, threads=1), kernel_linear(library, rows, weight, None, threads=2))
+    rows, weight = torch.randn(num_rows, 256, generator=generator), torch.randn(output_count(library, form, 700), 256, generator=generator)
+    one_thread = kernel_linear(library, rows, weight, None, threads=1, form=form)
+    assert torch.equal(one_thread, kernel_linear(library, rows, weight, None, threads=2, form=form))
+
+
+def test_only_weights_a_layer_alone_reads_with_whole_panels_are_packed():
+    embedding, tied, own, ragged = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64), torch.nn.Linear(16, 64), torch.nn.Linear(16, 40)
+    tied.weight = embedding.weight  # tied input and output embeddings
+    model = torch.nn.ModuleList([embedding, tied, own, ragged])
+    shared = shared_parameters(model)
+    assert [can_pack(layer, 32, shared) for layer in (tied, own, ragged)] == [False, True, False]
 
 
 # --- the whole model --------------------------------------------------------------------------
@@ -178,11 +212,16 @@ def test_fast_mode_stays_within_fp32_rounding_of_stock_and_keeps_its_argmax(mode
 
 @pytest.mark.parametrize("batch_invariant", [False, True], ids=["fast", "batch-invariant"])
 def test_removing_the_patch_restores_stock_transformers_exactly(model, library, batch_invariant):
+    original = {name: parameter.clone() for name, parameter in model.named_parameters()}
     stock = block_logits(model, TOKENS, PREFIX, 9)
     patch = apply_cpu_kernels(model, library, batch_invariant)
-    patched = block_logits(model, TOKENS, PREFIX, 9)
+    block_logits(model, TOKENS, PREFIX, 9)
+    permuted = [name for name, parameter in model.named_parameters() if not torch.equal(parameter, original[name])]
+    assert len(permuted) == len(patch.packed) > 0  # packed in place, nothing else touched
     patch.remove()
-    assert (torch.equal(patched, stock), torch.equal(block_logits(model, TOKENS, PREFIX, 9), stock)) == (False, True)
+    assert all(torch.equal(parameter, original[name]) for name, parameter in model.named_parameters())
+    assert not any("forward" in vars(module) for module in model.modules())
+    assert torch.equal(block_logits(model, TOKENS, PREFIX, 9), stock)
     assert model.config._attn_implementation == "eager"
 
 

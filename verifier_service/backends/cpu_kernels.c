@@ -1,16 +1,21 @@
 /* CPU kernel of the verifier's fast path: y = x W^T (+ b) for a few rows of x.
  *
  * Built at run time by verifier_service/backends/cpu_kernels.py (gcc -O3, AVX-512 or AVX2+FMA)
- * and called through ctypes on the model's own weights: W is the [N, K] row-major matrix
- * nn.Linear holds; nothing is repacked or copied.
+ * and called through ctypes on the model's own weights, in one of two forms:
+ *
+ *   dot     W is the [N, K] row-major matrix nn.Linear holds. For weights that cannot be packed
+ *           (shared with the input embeddings, N not a multiple of the panel width).
+ *   packed  W permuted in place into panels of output columns (the second half of this file).
+ *           Every other weight; faster for blocks of rows, the same for one row.
  *
  * Why not torch's F.linear: an fp32 GEMM of a few rows costs several one-row GEMVs (MKL moves
  * from GEMV to GEMM kernels at M = 2; docs/benchmarks.md), while reading the weights from memory is
- * what one row costs. Here y[m, n] is a dot product of x[m] with W[n], computed in register
- * tiles of MT rows x NT weight rows: each load of W serves MT rows, so a block of 9 rows reads
- * W from memory once, as one row does, and the extra rows' FMAs run while the next weights
- * stream in (software prefetch one chunk ahead).
+ * what one row costs. Here both forms read each weight once for all rows of the block (a block of
+ * 9 rows reads W from memory once, as one row does) and the extra rows' FMAs run while the next
+ * weights stream in.
  *
+ * The dot form: y[m, n] is a dot product of x[m] with W[n], computed in register tiles of MT rows
+ * x NT weight rows, each load of W serving MT rows, with software prefetch one chunk ahead.
  * Batch invariance, by construction: y[m, n] is computed the same way whatever M is, whichever
  * tile shape or thread handles it. One accumulator vector per (m, n) collects x[m, k] * W[n, k]
  * for k = 0, LANES, 2 LANES, ... in that order (lane l holds the k = l mod LANES terms), a fixed
@@ -173,5 +178,142 @@ void spade_linear(const float *x, const float *w, const float *bias, float *y, i
     for (int c = 0; c < num_chunks; c++) {
         int n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         linear_chunk(x, w, bias, y, M, N, K, n0, n1, chunk);
+    }
+}
+
+
+/* --- packed weights --------------------------------------------------------------------------
+ *
+ * The same product on weights repacked into panels of PANEL output columns (two vectors):
+ * panel p holds W[p PANEL + c, k] at packed[(p K + k) PANEL + c], so a panel is one contiguous
+ * stream in k. Here each vector lane IS one output y[m, n]: a tile of MT rows x NP panels keeps
+ * MT x 2 NP accumulators, and per k loads 2 NP weight vectors, broadcasts x[m, k] and does the
+ * FMAs. Against the dot-product form above, the rows' inputs are read as scalars (once per
+ * 16 k instead of once per k and weight row), the weights as one sequential stream per panel,
+ * and nothing is summed across lanes: a block
+ * of 9 rows costs little more than one (docs/benchmarks.md, "The target's forward per draft
+ * length").
+ *
+ * Batch invariance, by construction: y[m, n] = bias[n] + (... ((x[m,0] W[n,0]) + x[m,1] W[n,1])
+ * ... + x[m,K-1] W[n,K-1]), one fused multiply-add per k in order, whatever M, the tile shape,
+ * the thread or the K block computes it (a K block stores the running sums in y and resumes them
+ * exactly).
+ */
+
+#define PANEL (2 * LANES)
+/* Tiles of 8 or more rows compute long enough per panel line that the hardware prefetcher falls
+ * behind: they also prefetch 8 KiB ahead in each panel's stream, into L2. Fewer rows do without
+ * (measured on Zen 4: faster for 8-9 rows, slower for 1-7; docs/benchmarks.md). */
+#define PACKED_PREFETCH_MIN_ROWS 8
+#define PACKED_PREFETCH_FLOATS 2048
+#define MAX_PANELS 3
+#ifndef K_BLOCK
+#define K_BLOCK 1024 /* rows in several groups: the panels' slice of K_BLOCK stays in cache across groups */
+#endif
+
+#if LANES == 16
+#define VBROADCAST(p) _mm512_set1_ps(*(p))
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#else
+#define VBROADCAST(p) _mm256_broadcast_ss(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#endif
+
+/* y[i, p PANEL + c] (+)= sum over k in [k0, k1) of x[i, k] W[p PANEL + c, k], for i < mt, p < np.
+ * `first`: start from zero (else resume the sums in y); `last`: add the bias. */
+INLINE void panel_tile(int mt, int np, const float *x, int K, const float *wp, const float *bias, float *y,
+                       ptrdiff_t ldy, int k0, int k1, int first, int last, int prefetch) {
+    vec acc[MAX_TILE_ROWS][2 * MAX_PANELS];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < 2 * np; j++)
+            acc[i][j] = first ? VZERO() : VLOAD(y + (ptrdiff_t)i * ldy + j * LANES);
+    for (int k = k0; k < k1; k++) {
+        vec wv[2 * MAX_PANELS];
+        for (int p = 0; p < np; p++) {
+            const float *base = wp + ((ptrdiff_t)p * K + k) * PANEL;
+            wv[2 * p] = VLOAD(base);
+            wv[2 * p + 1] = VLOAD(base + LANES);
+            if (prefetch && mt >= PACKED_PREFETCH_MIN_ROWS)
+                for (int c = 0; c < PANEL; c += 16) _mm_prefetch((const char *)(base + PACKED_PREFETCH_FLOATS + c), _MM_HINT_T1);
+        }
+        for (int i = 0; i < mt; i++) {
+            vec xv = VBROADCAST(x + (ptrdiff_t)i * K + k);
+            for (int j = 0; j < 2 * np; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < 2 * np; j++)
+            VSTORE(y + (ptrdiff_t)i * ldy + j * LANES, last && bias ? VADD(acc[i][j], VLOAD(bias + j * LANES)) : acc[i][j]);
+}
+
+typedef void (*panel_fn)(const float *, int, const float *, const float *, float *, ptrdiff_t, int, int, int, int, int);
+
+#define PANEL_TILE(MT, NP)                                                                                       \
+    static void panels_##MT##x##NP(const float *x, int K, const float *wp, const float *b, float *y, ptrdiff_t ldy, \
+                                   int k0, int k1, int first, int last, int prefetch) {                          \
+        if (prefetch) panel_tile(MT, NP, x, K, wp, b, y, ldy, k0, k1, first, last, 1);                            \
+        else panel_tile(MT, NP, x, K, wp, b, y, ldy, k0, k1, first, last, 0);                                     \
+    }
+
+/* PANEL_TILES[MT][NP]: every shape whose MT x 2 NP accumulators + 2 NP weights + 1 input fit the
+ * vector registers; PANELS_FOR[MT]: the widest (a group's own shape). */
+#if LANES == 16 /* 32 registers */
+PANEL_TILE(1, 1) PANEL_TILE(1, 2) PANEL_TILE(1, 3) PANEL_TILE(2, 1) PANEL_TILE(2, 2) PANEL_TILE(2, 3)
+PANEL_TILE(3, 1) PANEL_TILE(3, 2) PANEL_TILE(3, 3) PANEL_TILE(4, 1) PANEL_TILE(4, 2) PANEL_TILE(4, 3)
+PANEL_TILE(5, 1) PANEL_TILE(5, 2) PANEL_TILE(6, 1) PANEL_TILE(6, 2) PANEL_TILE(7, 1) PANEL_TILE(8, 1) PANEL_TILE(9, 1)
+static const panel_fn PANEL_TILES[MAX_TILE_ROWS + 1][MAX_PANELS + 1] = {
+    {0}, {0, panels_1x1, panels_1x2, panels_1x3}, {0, panels_2x1, panels_2x2, panels_2x3},
+    {0, panels_3x1, panels_3x2, panels_3x3}, {0, panels_4x1, panels_4x2, panels_4x3}, {0, panels_5x1, panels_5x2},
+    {0, panels_6x1, panels_6x2}, {0, panels_7x1}, {0, panels_8x1}, {0, panels_9x1}};
+static const int PANELS_FOR[] = {0, 3, 3, 3, 3, 2, 2, 1, 1, 1};
+#else /* 16 registers */
+PANEL_TILE(1, 1) PANEL_TILE(1, 2) PANEL_TILE(1, 3) PANEL_TILE(2, 1) PANEL_TILE(2, 2)
+PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
+static const panel_fn PANEL_TILES[MAX_TILE_ROWS + 1][MAX_PANELS + 1] = {
+    {0}, {0, panels_1x1, panels_1x2, panels_1x3}, {0, panels_2x1, panels_2x2}, {0, panels_3x1}, {0, panels_4x1},
+    {0, panels_5x1}, {0, panels_6x1}};
+static const int PANELS_FOR[] = {0, 3, 2, 1, 1, 1, 1};
+#endif
+
+int spade_panel_width(void) { return PANEL; }
+
+/* Panels [p0, p1) against all M rows, a few panels at a time. One group of rows: each tile runs
+ * over all of K, prefetching its streams. More groups (rows of a prefill): K in blocks, every
+ * group over the block's slice of the panels (then in cache), the first group prefetching. */
+static void packed_panels(const float *x, const float *wp, const float *bias, float *y, int M, int N, int K, int p0,
+                          int p1) {
+    int num_groups = num_groups_for(M);
+    int unit = PANELS_FOR[M / num_groups]; /* the shorter group's width fits the taller group too */
+    if (PANELS_FOR[(M + num_groups - 1) / num_groups] < unit) unit = PANELS_FOR[(M + num_groups - 1) / num_groups];
+    int k_block = num_groups == 1 ? K : K_BLOCK;
+    for (int p = p0; p < p1; p += unit) {
+        int np = p1 - p < unit ? p1 - p : unit;
+        const float *panels = wp + (ptrdiff_t)p * K * PANEL;
+        for (int k0 = 0; k0 < K; k0 += k_block) {
+            int k1 = k0 + k_block < K ? k0 + k_block : K;
+            for (int g = 0; g < num_groups; g++) {
+                int m0 = g * M / num_groups, height = (g + 1) * M / num_groups - m0; /* balanced */
+                PANEL_TILES[height][np](x + (ptrdiff_t)m0 * K, K, panels, bias ? bias + p * PANEL : 0,
+                                        y + (ptrdiff_t)m0 * N + p * PANEL, N, k0, k1, k0 == 0, k1 == K, g == 0);
+            }
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] W[N, K]^T (+ bias[N]) with W packed (N a multiple of PANEL). Threads split
+ * the panels, never K, so the result does not depend on num_threads either. */
+void spade_packed_linear(const float *x, const float *wp, const float *bias, float *y, int M, int N, int K,
+                         int num_threads) {
+    (void)num_threads; /* used by OpenMP only */
+    if (M <= 0 || N <= 0) return;
+    int num_panels = N / PANEL;
+    int per_thread = num_threads > 1 ? (num_panels + num_threads - 1) / num_threads : num_panels;
+    int num_parts = (num_panels + per_thread - 1) / per_thread;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int part = 0; part < num_parts; part++) {
+        int p0 = part * per_thread, p1 = p0 + per_thread < num_panels ? p0 + per_thread : num_panels;
+        packed_panels(x, wp, bias, y, M, N, K, p0, p1);
     }
 }

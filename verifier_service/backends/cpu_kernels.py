@@ -4,9 +4,13 @@ On CPU the target's forward is mostly its linear layers, and torch's fp32 GEMM p
 extra row: a block of a few rows costs several one-row steps (docs/benchmarks.md, "Component
 measurements"). The kernel
 in ``cpu_kernels.c`` (built here with the system C compiler, cached per source and ISA) reads
-each weight row once for all rows of the block, straight from the model's own nn.Linear weights
-(nothing is copied or repacked; the transformers model stays the source of truth). See the C
-file for why each row's result is bitwise independent of how many rows share the call.
+each weight once for all rows of the block. Each linear layer's weight is repacked IN PLACE into
+panels of output columns (``pack_weight``: a permutation of the same storage, no copy kept, so
+memory does not grow); a weight shared with another module (tied input embeddings) or whose
+output count is not a multiple of the panel width stays as it is and goes through the kernel's
+dot-product form instead. ``CpuKernelPatch.remove()`` permutes every weight back, bitwise: the
+transformers model stays the source of truth. See the C file for why each row's result is
+bitwise independent of how many rows share the call, in both forms.
 
 Two modes, applied to a loaded fp32 model on CPU by ``apply_cpu_kernels``:
 
@@ -30,7 +34,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import types
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard
@@ -59,11 +65,24 @@ class KernelLibrary:
     isa: str
     path: Path
 
+    @property
+    def panel_width(self) -> int:
+        """Output columns per panel of a packed weight (two vectors)."""
+        return int(self.library.spade_panel_width())
+
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """rows [M, K] @ weight[N, K]^T + bias: fp32, contiguous, on CPU."""
+        """rows [M, K] @ weight[N, K]^T + bias: fp32, contiguous, on CPU; weight row-major."""
+        return self._call(self.library.spade_linear, rows, weight, bias)
+
+    def packed_linear(self, rows: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The same product with the weight packed by ``pack_weight`` (N a multiple of the panel width)."""
+        return self._call(self.library.spade_packed_linear, rows, packed_weight, bias)
+
+    @staticmethod
+    def _call(function, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         num_rows, num_inputs = rows.shape
         output = torch.empty(num_rows, weight.shape[0], dtype=torch.float32)
-        self.library.spade_linear(
+        function(
             rows.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -99,8 +118,10 @@ def load_kernel_library(cache_dir: Path) -> KernelLibrary | None:
         logger.warning("CPU kernels unavailable: %s", error)
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    library.spade_linear.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
-    library.spade_linear.restype = None
+    for function in (library.spade_linear, library.spade_packed_linear):
+        function.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
+        function.restype = None
+    library.spade_panel_width.restype = integer
     return KernelLibrary(library, isa, path)
 
 
@@ -158,38 +179,58 @@ class CpuKernelPatch:
     attention: str
     previous_attention: str = field(repr=False, default="eager")
     patched: list[nn.Linear] = field(repr=False, default_factory=list)
+    packed: list[nn.Linear] = field(repr=False, default_factory=list)
+    """The patched layers whose weight is packed in place (panels of ``panel_width`` columns)."""
+    panel_width: int = 0
 
     def describe(self) -> str:
-        return f"{self.mode}: {self.num_linears} linear layers on {self.linear_path}, attention {self.attention}"
+        packed = f" ({len(self.packed)} with packed weights)" if self.packed else ""
+        return f"{self.mode}: {self.num_linears} linear layers on {self.linear_path}{packed}, attention {self.attention}"
 
     def remove(self) -> None:
-        """Restore the stock forward of every patched module and the previous attention."""
+        """Restore every packed weight (bitwise), the stock forward of every patched module and
+        the previous attention."""
+        for module in self.packed:
+            unpack_weight(module.weight, self.panel_width)
+        self.packed.clear()
         for module in self.patched:
             del module.forward  # the instance attribute shadowed the class's forward
         self.patched.clear()
         set_attention(self.model, self.previous_attention)
 
 
-def apply_cpu_kernels(model: PreTrainedModel, library: KernelLibrary | None, batch_invariant: bool) -> CpuKernelPatch:
-    """Route the model's linears through the kernel and switch its attention, in place."""
+def apply_cpu_kernels(
+    model: PreTrainedModel, library: KernelLibrary | None, batch_invariant: bool, pack_weights: bool = True
+) -> CpuKernelPatch:
+    """Route the model's linears through the kernel and switch its attention, in place.
+    ``pack_weights=False`` keeps every weight row-major (the dot-product form only: what
+    forward_bench compares the packed form against)."""
     if next(model.parameters()).device.type != "cpu" or model.dtype != torch.float32:
         raise ValueError("the CPU kernels take a float32 model on the CPU")
     register_attention()
     previous = model.config._attn_implementation
     attention = ROWWISE_ATTENTION if batch_invariant else GQA_ATTENTION
     linears = [module for module in model.modules() if is_patchable(module)]
+    packed: list[nn.Linear] = []
     if library is not None:
-        forward, linear_path = kernel_forward(library), f"kernel-{library.isa.lower()}"
+        linear_path, panel_width = f"kernel-{library.isa.lower()}", library.panel_width
+        shared = shared_parameters(model)
+        packed = [module for module in linears if pack_weights and can_pack(module, panel_width, shared)]
+        forwards = {id(module): packed_forward(library) for module in packed}
+        unpacked_forward = kernel_forward(library)
     elif batch_invariant:
-        forward, linear_path = rowwise_forward, "torch-rowwise"
+        linear_path, panel_width, forwards, unpacked_forward = "torch-rowwise", 0, {}, rowwise_forward
     else:
-        forward, linear_path, linears = None, "torch", []
+        linear_path, panel_width, forwards, unpacked_forward, linears = "torch", 0, {}, None, []
+    for module in packed:
+        pack_weight(module.weight, panel_width)
     for module in linears:
+        forward = forwards.get(id(module), unpacked_forward)
         # An instance attribute shadowing the class's forward (CpuKernelPatch.remove deletes it).
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     set_attention(model, attention)
     mode = "batch_invariant" if batch_invariant else "fast"
-    return CpuKernelPatch(model, mode, linear_path, len(linears), attention, previous, linears)
+    return CpuKernelPatch(model, mode, linear_path, len(linears), attention, previous, linears, packed, panel_width)
 
 
 def is_patchable(module: nn.Module) -> TypeGuard[nn.Linear]:
@@ -199,6 +240,38 @@ def is_patchable(module: nn.Module) -> TypeGuard[nn.Linear]:
         and module.weight.is_contiguous()
         and (module.bias is None or module.bias.is_contiguous())
     )
+
+
+def shared_parameters(model: nn.Module) -> set[int]:
+    """ids of parameters that more than one module holds (tied input and output embeddings)."""
+    counts = Counter(id(parameter) for _, parameter in model.named_parameters(remove_duplicate=False))
+    return {key for key, count in counts.items() if count > 1}
+
+
+def can_pack(module: nn.Linear, panel_width: int, shared: set[int]) -> bool:
+    """Packing permutes the weight's storage: only a weight this layer alone reads, with whole panels."""
+    return module.weight.shape[0] % panel_width == 0 and id(module.weight) not in shared
+
+
+def pack_weight(weight: torch.Tensor, panel_width: int) -> None:
+    """In place: row-major [N, K] becomes panels [N / P][K][P] (P = ``panel_width``) in the same
+    storage; the tensor keeps its [N, K] shape. Undone by ``unpack_weight``."""
+    num_outputs, num_inputs = weight.shape
+    with torch.no_grad():
+        panels = weight.view(num_outputs // panel_width, panel_width, num_inputs).transpose(1, 2).contiguous()
+        weight.view(-1).copy_(panels.view(-1))
+
+
+def unpack_weight(weight: torch.Tensor, panel_width: int) -> None:
+    """In place: the inverse of ``pack_weight`` (a permutation: bitwise the original)."""
+    with torch.no_grad():
+        weight.view(-1).copy_(unpacked(weight, panel_width).contiguous().view(-1))
+
+
+def unpacked(weight: torch.Tensor, panel_width: int) -> torch.Tensor:
+    """A row-major copy of a packed weight."""
+    num_outputs, num_inputs = weight.shape
+    return weight.view(num_outputs // panel_width, num_inputs, panel_width).transpose(1, 2).reshape(num_outputs, num_inputs)
 
 
 def set_attention(model: PreTrainedModel, implementation: str) -> None:
@@ -212,6 +285,20 @@ def kernel_forward(library: KernelLibrary):
             return nn.functional.linear(input, module.weight, module.bias)
         rows = input.reshape(-1, input.shape[-1]).contiguous()
         return library.linear(rows, module.weight, module.bias).view(*input.shape[:-1], module.weight.shape[0])
+
+    return forward
+
+
+def packed_forward(library: KernelLibrary):
+    """For a layer whose weight ``pack_weight`` packed; anything the kernel does not take (another
+    dtype or device, autograd) gets stock F.linear on a row-major copy."""
+    panel_width = library.panel_width
+
+    def forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+        if input.dtype != torch.float32 or input.device.type != "cpu" or (input.requires_grad and torch.is_grad_enabled()):
+            return nn.functional.linear(input, unpacked(module.weight, panel_width), module.bias)
+        rows = input.reshape(-1, input.shape[-1]).contiguous()
+        return library.packed_linear(rows, module.weight, module.bias).view(*input.shape[:-1], module.weight.shape[0])
 
     return forward
 
@@ -241,6 +328,8 @@ def prepare_cpu_kernels(
         return None
     from spade_models.pull import resolve_cache_dir
 
-    patch = apply_cpu_kernels(model, load_kernel_library(resolve_cache_dir(cache_dir)), batch_invariant)
-    logger.info("CPU kernels: %s", patch.describe())
+    library = load_kernel_library(resolve_cache_dir(cache_dir))
+    started = time.perf_counter()
+    patch = apply_cpu_kernels(model, library, batch_invariant)
+    logger.info("CPU kernels: %s (applied in %.1f s)", patch.describe(), time.perf_counter() - started)
     return patch
