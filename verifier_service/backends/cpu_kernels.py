@@ -253,23 +253,38 @@ def can_pack(module: nn.Linear, panel_width: int, shared: set[int]) -> bool:
     return module.weight.shape[0] % panel_width == 0 and id(module.weight) not in shared
 
 
+PACK_CHUNK_BYTES = 1 << 20
+"""Weights are permuted a few panels (about this many bytes) at a time: the temporary copy stays
+in cache (six times faster than permuting a whole matrix at once; docs/benchmarks.md)."""
+
+
 def pack_weight(weight: torch.Tensor, panel_width: int) -> None:
     """In place: row-major [N, K] becomes panels [N / P][K][P] (P = ``panel_width``) in the same
-    storage; the tensor keeps its [N, K] shape. Undone by ``unpack_weight``."""
-    num_outputs, num_inputs = weight.shape
+    storage; the tensor keeps its [N, K] shape. Panel p's rows are its own storage before and
+    after, so panels are permuted one chunk at a time. Undone by ``unpack_weight``."""
     with torch.no_grad():
-        panels = weight.view(num_outputs // panel_width, panel_width, num_inputs).transpose(1, 2).contiguous()
-        weight.view(-1).copy_(panels.view(-1))
+        for chunk in _panel_chunks(weight, panel_width):
+            num_panels, num_inputs = chunk.shape[0] // panel_width, chunk.shape[1]
+            panels = chunk.view(num_panels, panel_width, num_inputs).transpose(1, 2).contiguous()
+            chunk.view(-1).copy_(panels.view(-1))
 
 
 def unpack_weight(weight: torch.Tensor, panel_width: int) -> None:
     """In place: the inverse of ``pack_weight`` (a permutation: bitwise the original)."""
     with torch.no_grad():
-        weight.view(-1).copy_(unpacked(weight, panel_width).contiguous().view(-1))
+        for chunk in _panel_chunks(weight, panel_width):
+            chunk.view(-1).copy_(unpacked(chunk, panel_width).contiguous().view(-1))
+
+
+def _panel_chunks(weight: torch.Tensor, panel_width: int) -> list[torch.Tensor]:
+    """Views of consecutive whole panels' rows, about PACK_CHUNK_BYTES each."""
+    row_bytes = weight.shape[1] * weight.element_size()
+    rows = max(1, PACK_CHUNK_BYTES // (row_bytes * panel_width)) * panel_width
+    return list(weight.split(rows))
 
 
 def unpacked(weight: torch.Tensor, panel_width: int) -> torch.Tensor:
-    """A row-major copy of a packed weight."""
+    """A row-major copy of a packed weight (or of whole packed panels)."""
     num_outputs, num_inputs = weight.shape
     return weight.view(num_outputs // panel_width, num_inputs, panel_width).transpose(1, 2).reshape(num_outputs, num_inputs)
 
