@@ -36,8 +36,9 @@ from typing import Literal
 
 DEFAULT_RELATIVE_SLOPE = 0.1
 """Before two draft lengths have been timed, each drafted token is assumed to add this fraction
-of a one-token verify (about what a CPU target shows: docs/benchmarks.md, "Component
-measurements"; a GPU target adds less, and the learned line replaces it)."""
+of a one-token verify (what a CPU target showed before its kernels packed their weights; it now
+adds less, as a GPU target does: docs/benchmarks.md, "Component measurements"; the learned line
+replaces it)."""
 MAX_POINT_WEIGHT = 20
 """A draft length's weight in the line fit stops growing after this many observations."""
 

@@ -26,6 +26,7 @@ import shlex
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -39,11 +40,20 @@ from spade_bench.capacity_record import (
     recording_app,
     write_sessions,
 )
-from spade_bench.capacity_report import SPADE, TARGET, LevelRow, UserResult, level_row, markdown_table, write_plots
+from spade_bench.capacity_report import (
+    SPADE,
+    TARGET,
+    VERIFIER_CPU,
+    LevelRow,
+    UserResult,
+    level_row,
+    markdown_table,
+    write_plots,
+)
 from spade_bench.client import Generation, make_client, served_model, stream_chat
 from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
-from spade_bench.services import ServiceSpec, edge_command, parse_prometheus, start_service, verifier_command
+from spade_bench.services import Service, ServiceSpec, edge_command, parse_prometheus, start_service, verifier_command
 
 METRIC_NAMES = (
     "process_cpu_seconds_total",
@@ -134,10 +144,18 @@ async def target_user(client: httpx.AsyncClient, model: str, session: RecordedSe
 
 
 async def run_level(
-    verifier_url: str, mode: str, sessions: list[RecordedSession], num_users: int, rtt_s: float, timeout_s: float = 1800.0
+    verifier_url: str,
+    mode: str,
+    sessions: list[RecordedSession],
+    num_users: int,
+    rtt_s: float,
+    timeout_s: float = 1800.0,
+    cpu_seconds: Callable[[], float] | None = None,
 ) -> tuple[list[UserResult], dict[str, float]]:
-    """N users at once (user k replays session k mod len); returns them and the /metrics delta."""
+    """N users at once (user k replays session k mod len); returns them and the /metrics delta,
+    with ``cpu_seconds()``'s delta (the verifier's process tree) as VERIFIER_CPU when given."""
     limits = httpx.Limits(max_connections=num_users + 4)
+    cpu_before = cpu_seconds() if cpu_seconds else None
     async with httpx.AsyncClient(base_url=verifier_url, timeout=timeout_s, limits=limits) as client:
         before = await _metrics(client)
         if mode == SPADE:
@@ -147,7 +165,10 @@ async def run_level(
             users = [target_user(client, model, sessions[k % len(sessions)], rtt_s) for k in range(num_users)]
         results = await asyncio.gather(*users)
         after = await _metrics(client)
-    return list(results), {name: after.get(name, 0.0) - before.get(name, 0.0) for name in METRIC_NAMES if name in after}
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in METRIC_NAMES if name in after}
+    if cpu_seconds and cpu_before is not None:
+        delta[VERIFIER_CPU] = cpu_seconds() - cpu_before
+    return list(results), delta
 
 
 async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
@@ -157,12 +178,13 @@ async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
 
 
 def measure_levels(
-    verifier_url: str, sessions: list[RecordedSession], user_counts: tuple[int, ...], modes: tuple[str, ...], rtt_s: float, label: str = ""
+    verifier: Service, sessions: list[RecordedSession], user_counts: tuple[int, ...], modes: tuple[str, ...], rtt_s: float, label: str = ""
 ) -> list[LevelRow]:
     rows = []
     for num_users in user_counts:
         for mode in modes:
-            users, delta = asyncio.run(run_level(verifier_url, mode, sessions, num_users, rtt_s))
+            level = run_level(verifier.url, mode, sessions, num_users, rtt_s, cpu_seconds=verifier.tree_cpu_seconds)
+            users, delta = asyncio.run(level)
             row = level_row(mode + label, users, delta)
             print(
                 f"  {row.mode} N={num_users}: {row.aggregate_tok_s:.2f} tok/s aggregate, "
@@ -188,7 +210,8 @@ class CapacityConfig:
     draft_length: str = "8"
     user_counts: tuple[int, ...] = (1, 2, 4, 8)
     modes: tuple[str, ...] = (SPADE, TARGET)
-    batch_sessions: tuple[int, ...] = (1,)
+    batch_sessions: tuple[int, ...] = (8,)
+    """The verifier's own default (--max-batch-sessions 8); 1 = one call at a time."""
     rtt_ms: float = 20.0
     user_tokens_per_s: float = 1.0
     placement: Placement = Placement.default()
@@ -229,14 +252,15 @@ def run_capacity(config: CapacityConfig) -> tuple[list[RecordedSession], list[Le
     for batch in config.batch_sessions:
         with start_service(_verifier_spec(config, batch), config.startup_timeout_s) as verifier:
             label = f"-b{batch}" if len(config.batch_sessions) > 1 else ""
-            rows += measure_levels(verifier.url, sessions, config.user_counts, config.modes, config.rtt_ms / 1e3, label)
+            rows += measure_levels(verifier, sessions, config.user_counts, config.modes, config.rtt_ms / 1e3, label)
     return sessions, rows
 
 
 def write_outputs(config: CapacityConfig, sessions: list[RecordedSession], rows: list[LevelRow]) -> str:
     table = markdown_table(rows, config.user_tokens_per_s)
+    edges = f"replaying {config.recording}" if config.recording else f"draft {config.draft} (--draft-length {config.draft_length})"
     setup = (
-        f"target {config.target}, draft {config.draft} (k={config.draft_length}), {config.dtype}, "
+        f"target {config.target}, {edges}, {config.dtype}, "
         f"{config.max_tokens} tokens per user, RTT {config.rtt_ms:g} ms, {len(sessions)} recorded session(s), "
         f"verifier on cores {list(config.placement.verifier_cores)} with {config.placement.threads} thread(s)"
     )
@@ -254,7 +278,10 @@ def write_outputs(config: CapacityConfig, sessions: list[RecordedSession], rows:
             indent=2,
         )
     )
-    write_plots(rows, config.output_dir / "plots", title=setup[:90])
+    try:
+        write_plots(rows, config.output_dir / "plots", title=setup[:90])
+    except ImportError as error:  # e.g. the vLLM environment, which has no matplotlib
+        print(f"plots NOT written ({error}); the tables are in {config.output_dir}", file=sys.stderr)
     return markdown
 
 
@@ -282,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-sessions",
         type=_ints,
-        default=(1,),
-        help="comma list of verifier --max-batch-sessions values, one verifier each (default 1)",
+        default=CapacityConfig.batch_sessions,
+        help="comma list of verifier --max-batch-sessions values, one verifier each (default 8, the verifier's own)",
     )
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="link round trip per verify call / target request (default 20)")
     parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target (default 1.0)")

@@ -5,7 +5,9 @@ the verifier's /metrics before and after the level ran.
     user tok/s          one user's tokens / its own wall time; p50 and p99 (the speed 99 % of
                         users reach, i.e. the 1st percentile: with few users, the slowest)
     TTFT                request start -> first token (SPADE: first verify answer)
-    CPU s/token         verifier process_cpu_seconds_total delta / all users' tokens
+    CPU s/token         the verifier's CPU seconds over the level (its whole process tree, as
+                        /proc counts it: vLLM's engine runs in child processes; else its
+                        process_cpu_seconds_total) / all users' tokens
     queue ms            wait for the target per forward (spade_verifier_queue_seconds sum/count)
     batch               sessions per forward, averaged over calls (spade_verifier_batch_sessions)
     max N at target     the largest N whose user tok/s p99 still meets --user-tokens-per-s
@@ -18,6 +20,8 @@ from pathlib import Path
 
 SPADE = "spade"
 TARGET = "target"
+VERIFIER_CPU = "verifier_tree_cpu_seconds"
+"""The key run_level gives the verifier's process-tree CPU seconds in its metrics delta."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         user_tok_s_p99=percentile_of_some(speeds, 1),
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
-        cpu_s_per_token=_ratio(metrics_delta.get("process_cpu_seconds_total"), tokens),
+        cpu_s_per_token=_ratio(metrics_delta.get(VERIFIER_CPU, metrics_delta.get("process_cpu_seconds_total")), tokens),
         queue_ms_mean=_ratio(
             _scaled(metrics_delta.get("spade_verifier_queue_seconds_sum"), 1e3), metrics_delta.get("spade_verifier_queue_seconds_count")
         ),

@@ -172,6 +172,11 @@ class Service:
             return metrics[CPU_METRIC]
         return _proc_cpu_times(self.pid)
 
+    def tree_cpu_seconds(self) -> float:
+        """CPU seconds of the process and every live descendant (vLLM runs its engine and workers
+        in child processes, which the service's own process_cpu_seconds_total leaves out)."""
+        return process_tree_cpu_seconds(self.pid)
+
     def log_tail(self) -> str:
         if self._log is not None:
             self._log.flush()
@@ -215,6 +220,29 @@ def _proc_cpu_times(pid: int) -> float:
     fields_after_name = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = int(fields_after_name[11]) + int(fields_after_name[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants, from /proc; processes that exit while
+    being read are skipped."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    total, pending = 0.0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            total += _proc_cpu_times(current)
+        except (OSError, IndexError, ValueError):
+            continue
+        pending.extend(children.get(current, ()))
+    return total
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -6,6 +6,11 @@ prompts, and the report's arithmetic on fixed numbers."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+from itertools import count
 
 import pytest
 
@@ -13,9 +18,19 @@ from edge_support import edge_app
 from servers import serve
 from spade_bench.capacity import record_sessions, run_level
 from spade_bench.capacity_record import VerifyRecorder, recording_app
-from spade_bench.capacity_report import SPADE, TARGET, LevelRow, UserResult, level_row, markdown_table, max_users_at
+from spade_bench.capacity_report import (
+    SPADE,
+    TARGET,
+    VERIFIER_CPU,
+    LevelRow,
+    UserResult,
+    level_row,
+    markdown_table,
+    max_users_at,
+)
 from spade_bench.client import Generation
 from spade_bench.data import BenchItem
+from spade_bench.services import process_tree_cpu_seconds
 from verifier_support import verifier_app
 
 ITEMS = [
@@ -57,6 +72,42 @@ def test_replayed_sessions_reproduce_their_recorded_verdicts(verifier_url, recor
     assert delta["spade_verifier_queue_seconds_count"] == sum(user.num_calls for user in users)
 
 
+def test_a_level_reports_the_verifier_cpu_it_is_given(verifier_url, recorded):
+    readings = count(start=10.0, step=2.5)  # before the level, then after it
+    users, delta = asyncio.run(run_level(verifier_url, SPADE, recorded, 1, rtt_s=0.0, cpu_seconds=lambda: next(readings)))
+    assert delta[VERIFIER_CPU] == 2.5
+    assert level_row(SPADE, users, delta).cpu_s_per_token == 2.5 / MAX_TOKENS
+
+
+BURN = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\nprint(1, flush=True)\ntime.sleep(60)"
+"""A child's program: 0.6 s of CPU, then a line, then idle."""
+PARENT = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", {BURN!r}], stdout=subprocess.PIPE)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+"""A parent's program: starts the child, waits for its line, prints its pid, idles."""
+
+
+def test_the_verifier_cpu_includes_its_child_processes():
+    """vLLM's engine runs in child processes: a parent that only waits while its child burns
+    0.6 s of CPU is charged that 0.6 s, though its own accounting shows far less."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child_pid = None
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        assert process_tree_cpu_seconds(parent.pid) - process_tree_cpu_seconds(child_pid) < 0.4
+        assert process_tree_cpu_seconds(parent.pid) >= 0.55
+    finally:
+        parent.kill()
+        parent.wait()
+        if child_pid is not None:
+            os.kill(child_pid, signal.SIGKILL)
+
+
 def test_target_only_users_generate_the_same_number_of_tokens(verifier_url, recorded):
     users, delta = asyncio.run(run_level(verifier_url, TARGET, recorded, 2, rtt_s=0.0))
     assert [user.tokens for user in users] == [MAX_TOKENS, MAX_TOKENS]
@@ -71,7 +122,8 @@ def _user(mode: str, tokens: int, started: float, finished: float, ttft: float) 
 def test_a_level_row_is_computed_from_its_users_and_the_metrics_delta():
     users = [_user(SPADE, 10, 0.0, 5.0, 1.0), _user(SPADE, 20, 1.0, 5.0, 2.0), _user(SPADE, 10, 0.0, 10.0, 3.0)]
     delta = {
-        "process_cpu_seconds_total": 8.0,
+        "process_cpu_seconds_total": 3.0,  # the verifier's own process; its tree's CPU wins
+        VERIFIER_CPU: 8.0,
         "spade_verifier_queue_seconds_sum": 0.5,
         "spade_verifier_queue_seconds_count": 10.0,
         "spade_verifier_batch_sessions_sum": 25.0,

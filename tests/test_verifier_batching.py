@@ -13,8 +13,9 @@ import torch
 
 from spade_core.params import SamplingConfig
 from spade_models.kv_cache import TokenCache, cache_argument_name
+from verifier_service.backends import batching
 from verifier_service.backends.base import BlockToVerify
-from verifier_service.backends.batching import PendingCall, batched_forward, take_batch
+from verifier_service.backends.batching import MAX_PAD_ROWS, PendingCall, batched_forward, padding_fits, take_batch
 from verifier_service.backends.transformers_backend import TransformersBackend
 from verifier_support import (
     committed_after,
@@ -133,7 +134,11 @@ async def _verify_rounds(backend, sampling: SamplingConfig, vocab_size: int, con
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_batched_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling):
+def test_batched_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling, monkeypatch):
+    # Every round as ONE padded forward of all six sessions, however different their lengths
+    # (the gatherer would otherwise split them): padding must not change any verdict.
+    monkeypatch.setattr(batching, "padding_fits", lambda rows: True)
+
     async def run(max_batch_sessions: int, concurrently: bool):
         backend = TransformersBackend(target_model)
         backend.enable_batching(max_batch_sessions, batch_wait_s=1.0)
@@ -159,6 +164,45 @@ def test_a_batch_takes_the_oldest_calls_and_at_most_one_per_session():
     assert [call.block.session_id for call in batch] == ["a", "b", "c"]
     assert [call.block.session_id for call in queue] == ["a", "d", "b"]  # in arrival order
     assert [call.block.session_id for call in take_batch(queue, 3)] == ["a", "d", "b"]
+
+
+def _sized(session_id: str, rows: int) -> PendingCall:
+    """A call whose block feeds ``rows`` rows (all context, nothing cached)."""
+    return PendingCall(BlockToVerify(session_id, list(range(rows)), [], None, GREEDY), 0.0, future=None)
+
+
+def _rows(block: BlockToVerify) -> int:
+    return len(block.context_token_ids) + block.num_drafted
+
+
+def test_a_prompt_is_not_padded_onto_blocks_nor_blocks_onto_a_prompt():
+    queue = [_sized("a", 300), _sized("b", 9), _sized("c", 5), _sized("d", 280), _sized("e", 1)]
+    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["a", "d"]
+    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["b", "c", "e"]
+    assert queue == []
+
+
+def test_a_call_left_out_opens_the_next_batch():
+    queue = [_sized("a", 9), _sized("b", 300), _sized("c", 9)]
+    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["a", "c"]
+    queue.append(_sized("a", 9))  # a's next call arrives before b has run
+    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["b"]
+    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["a"]
+
+
+@pytest.mark.parametrize(
+    "rows,fits",
+    [
+        ([9, 9, 9], True),
+        ([9, 1], True),
+        ([1] * 7 + [MAX_PAD_ROWS + 1], False),
+        ([9] * 7 + [13], True),
+        ([300, 9], False),
+        ([300, 280], True),
+    ],
+)
+def test_padding_fits_within_max_of_the_constant_and_half_the_real_rows(rows, fits):
+    assert padding_fits(rows) is fits
 
 
 def test_batch_sizes_and_queue_times_are_on_metrics_and_in_timings(tiny_pair, vocab_size):

@@ -11,7 +11,10 @@ Glossary:
 the oldest call opens a batch, waits at most ``batch_wait_s`` for company, and the batch goes to
 the backend's single worker thread. While a batch runs, new calls queue, so under load batches
 fill without waiting. A session never has two calls in one batch (the second waits for the
-next), and a call is never passed over by a later one of another session: no session starves.
+next). Calls of very different lengths do not share a batch (``padding_fits``: every row of the
+padded batch is computed, so a prompt's prefill padded onto others' blocks would cost the
+prompt's length once per session); a call left out waits for the next batch, which the oldest
+waiting call always opens, so no session starves.
 
 ``batched_forward`` stacks the sessions' caches and new tokens into one padded batch. Worked
 example, session A with 3 cached tokens and 2 new, B with 1 cached and 3 new (pad = ·):
@@ -58,29 +61,59 @@ class PendingCall:
     future: asyncio.Future = field(repr=False)
 
 
-def take_batch(queue: list[PendingCall], max_batch_sessions: int) -> list[PendingCall]:
-    """Remove and return the oldest calls, at most one per session, keeping the others' order."""
+MAX_PAD_ROWS = 16
+"""A call joins a batch only while the batch's pad rows (computed for nothing) stay within
+max(MAX_PAD_ROWS, half its real rows): a 300-token prompt is not padded onto seven 9-row
+blocks (2,100 wasted rows), nor a block onto a prompt."""
+
+
+def take_batch(
+    queue: list[PendingCall], max_batch_sessions: int, rows_of: Callable[[BlockToVerify], int] | None = None
+) -> list[PendingCall]:
+    """Remove and return the oldest calls, at most one per session, keeping the others' order.
+    With ``rows_of`` (the rows a call will feed), a later call whose rows would pad the batch
+    beyond ``padding_fits`` waits for the next batch, which the oldest waiting call always opens:
+    a call is passed over at most once per batch it does not fit, and never starves."""
     batch: list[PendingCall] = []
+    rows: list[int] = []
     sessions: set[str] = set()
     for call in list(queue):
         if len(batch) == max_batch_sessions:
             break
-        if call.block.session_id not in sessions:
-            sessions.add(call.block.session_id)
-            batch.append(call)
-            queue.remove(call)
+        if call.block.session_id in sessions:
+            continue
+        call_rows = rows_of(call.block) if rows_of else 1
+        if batch and not padding_fits(rows + [call_rows]):
+            continue
+        sessions.add(call.block.session_id)
+        batch.append(call)
+        rows.append(call_rows)
+        queue.remove(call)
     return batch
+
+
+def padding_fits(rows: list[int]) -> bool:
+    """Whether one padded forward over calls of these row counts wastes at most
+    max(MAX_PAD_ROWS, half the real rows) on padding."""
+    real = sum(rows)
+    return len(rows) * max(rows) - real <= max(MAX_PAD_ROWS, real // 2)
 
 
 class BatchGatherer:
     """Gathers pending calls into batches and runs them one at a time on ``executor``."""
 
     def __init__(
-        self, run_batch: Callable[[list[PendingCall]], list[BlockVerdict]], executor: Executor, max_batch_sessions: int, batch_wait_s: float
+        self,
+        run_batch: Callable[[list[PendingCall]], list[BlockVerdict]],
+        executor: Executor,
+        max_batch_sessions: int,
+        batch_wait_s: float,
+        rows_of: Callable[[BlockToVerify], int] | None = None,
     ) -> None:
         if max_batch_sessions < 1 or batch_wait_s < 0:
             raise ValueError("max_batch_sessions must be >= 1 and batch_wait_s >= 0")
         self._run_batch = run_batch
+        self._rows_of = rows_of
         self._executor = executor
         self.max_batch_sessions = max_batch_sessions
         self.batch_wait_s = batch_wait_s
@@ -109,7 +142,7 @@ class BatchGatherer:
         loop = asyncio.get_running_loop()
         while self._queue:
             await self._gather()
-            batch = take_batch(self._queue, self.max_batch_sessions)
+            batch = take_batch(self._queue, self.max_batch_sessions, self._rows_of)
             try:
                 verdicts = await loop.run_in_executor(self._executor, self._run_batch, batch)
             except Exception as error:  # every caller of the batch gets the error

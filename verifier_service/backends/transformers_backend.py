@@ -22,7 +22,7 @@ from gateway.engine import TopLogprobs
 from gateway.model import ModelDescription
 from spade_core.acceptance import accept_block
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
-from spade_models.kv_cache import TokenCache, cache_argument_name
+from spade_models.kv_cache import TokenCache, cache_argument_name, common_prefix_length
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.backends.batching import BatchGatherer, verify_batch
@@ -65,7 +65,8 @@ class TransformersBackend(VerifierBackend):
     def enable_batching(self, max_batch_sessions: int, batch_wait_s: float) -> None:
         """Run calls of different sessions that arrive together as one forward (``batching``)."""
         if max_batch_sessions > 1:
-            self._gatherer = BatchGatherer(partial(verify_batch, self), self._executor, max_batch_sessions, batch_wait_s)
+            run_batch = partial(verify_batch, self)
+            self._gatherer = BatchGatherer(run_batch, self._executor, max_batch_sessions, batch_wait_s, self._rows_to_feed)
 
     @property
     def model(self) -> ModelDescription:
@@ -99,6 +100,14 @@ class TransformersBackend(VerifierBackend):
             await self._gatherer.aclose()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._caches.clear()
+
+    def _rows_to_feed(self, block: BlockToVerify) -> int:
+        """The rows a call will feed (uncached context + drafted block), read on the event loop
+        for batching: an estimate, exact unless the session's cache changes before it runs."""
+        entry = self._caches.get(block.session_id)
+        context = block.context_token_ids
+        cached = 0 if entry is None else min(common_prefix_length(entry.token_ids, context), len(context) - 1)
+        return len(context) - cached + block.num_drafted
 
     def _verify(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         started = time.perf_counter()
