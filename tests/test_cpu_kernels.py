@@ -1,8 +1,10 @@
 """The verifier's CPU kernels (verifier_service/backends/cpu_kernels.py and .c).
 
-The kernel: every output equals a float64 reference within fp32 rounding, whatever the shape
-(tails of K, edges of N, 1 to 40 rows); a row's output is bitwise the same whether it is
-computed alone or among other rows, and whatever the thread count.
+The kernel, for every ISA the CPU runs (an AVX-512 box builds and tests the AVX2 variant too),
+in both forms (row-major weights and weights packed in panels): every output equals a float64
+reference within fp32 rounding, whatever the shape (tails of K, edges of N, 1 to 40 rows); a
+row's output is bitwise the same whether it is computed alone or among other rows, and whatever
+the thread count.
 
 The model: through the whole tiny target, the batch-invariant mode gives each row of an M-row
 block (M = 2..16) bitwise the logits a one-token forward at its position gives, with the kernel
@@ -36,6 +38,7 @@ from verifier_service.backends.cpu_kernels import (
     load_kernel_library,
     pack_weight,
     prepare_cpu_kernels,
+    runnable_isas,
     shared_parameters,
 )
 from verifier_service.backends.growing_cache import GROWTH_TOKENS, growing_cache
@@ -53,11 +56,13 @@ from verifier_support import (
 )
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory):
-    built = load_kernel_library(tmp_path_factory.mktemp("kernel-cache"))
+@pytest.fixture(scope="module", params=runnable_isas() or [None])
+def library(request, tmp_path_factory):
+    """The kernel for every ISA this CPU runs (an AVX-512 box also tests the AVX2 build)."""
+    built = None if request.param is None else load_kernel_library(tmp_path_factory.mktemp("kernel-cache"), request.param)
     if built is None:
         pytest.skip("the CPU kernel cannot be built here (needs AVX2 or AVX-512 and gcc/cc); see the warning logged")
+    assert built.isa == request.param
     return built
 
 
@@ -169,9 +174,16 @@ CACHES = {"dynamic": dynamic_cache, "growing": growing_cache}
 
 
 @pytest.mark.parametrize("cache_kind", CACHES)
-@pytest.mark.parametrize("linear_path", ["kernel", "torch-rowwise"])
-def test_batch_invariant_rows_are_bitwise_equal_to_one_token_steps(request, model, linear_path, cache_kind):
-    library = request.getfixturevalue("library") if linear_path == "kernel" else None
+def test_batch_invariant_rows_are_bitwise_equal_to_one_token_steps(model, library, cache_kind):
+    assert_rows_bitwise_equal_to_one_token_steps(model, library, cache_kind)
+
+
+@pytest.mark.parametrize("cache_kind", CACHES)
+def test_batch_invariant_rows_without_the_kernel_are_bitwise_equal_to_one_token_steps(model, cache_kind):
+    assert_rows_bitwise_equal_to_one_token_steps(model, None, cache_kind)  # torch, row by row
+
+
+def assert_rows_bitwise_equal_to_one_token_steps(model, library, cache_kind: str) -> None:
     patch = apply_cpu_kernels(model, library, batch_invariant=True)
     new_cache = CACHES[cache_kind]
     steps = stepwise_logits(model, TOKENS, PREFIX, 16, new_cache)

@@ -190,9 +190,8 @@ void spade_linear(const float *x, const float *w, const float *bias, float *y, i
  * MT x 2 NP accumulators, and per k loads 2 NP weight vectors, broadcasts x[m, k] and does the
  * FMAs. Against the dot-product form above, the rows' inputs are read as scalars (once per
  * 16 k instead of once per k and weight row), the weights as one sequential stream per panel,
- * and nothing is summed across lanes: a block
- * of 9 rows costs little more than one (docs/benchmarks.md, "The target's forward per draft
- * length").
+ * and nothing is summed across lanes: a block of 9 rows costs little more than one
+ * (docs/benchmarks.md, "The target's forward per draft length").
  *
  * Batch invariance, by construction: y[m, n] = bias[n] + (... ((x[m,0] W[n,0]) + x[m,1] W[n,1])
  * ... + x[m,K-1] W[n,K-1]), one fused multiply-add per k in order, whatever M, the tile shape,
@@ -203,13 +202,12 @@ void spade_linear(const float *x, const float *w, const float *bias, float *y, i
 #define PANEL (2 * LANES)
 /* Tiles of 8 or more rows compute long enough per panel line that the hardware prefetcher falls
  * behind: they also prefetch 8 KiB ahead in each panel's stream, into L2. Fewer rows do without
- * (measured on Zen 4: faster for 8-9 rows, slower for 1-7; docs/benchmarks.md). */
+ * (measured on Zen 4: faster for 8-9 rows, slower for 1-7; docs/benchmarks.md). AVX2 tiles have
+ * 6 rows at most, so they never prefetch (not measured: no AVX2-only machine was at hand). */
 #define PACKED_PREFETCH_MIN_ROWS 8
 #define PACKED_PREFETCH_FLOATS 2048
 #define MAX_PANELS 3
-#ifndef K_BLOCK
 #define K_BLOCK 1024 /* rows in several groups: the panels' slice of K_BLOCK stays in cache across groups */
-#endif
 
 #if LANES == 16
 #define VBROADCAST(p) _mm512_set1_ps(*(p))

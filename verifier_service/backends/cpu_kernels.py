@@ -101,10 +101,19 @@ def cpu_isa() -> str | None:
     return capability if capability in ISA_FLAGS else None
 
 
-def load_kernel_library(cache_dir: Path) -> KernelLibrary | None:
-    """Build (once per source, ISA and compiler) and load the kernel; None when this machine
-    cannot (no AVX2/AVX-512, no C compiler), with the reason logged."""
+def runnable_isas() -> list[str]:
+    """Every kernel ISA this machine runs, best first (an AVX-512 CPU also runs the AVX2 build)."""
     isa = cpu_isa()
+    return [] if isa is None else list(ISA_FLAGS)[list(ISA_FLAGS).index(isa) :]
+
+
+def load_kernel_library(cache_dir: Path, isa: str | None = None) -> KernelLibrary | None:
+    """Build (once per source, ISA and compiler) and load the kernel, for this machine's best ISA
+    or ``isa`` (one of ``runnable_isas()``); None when this machine cannot (no AVX2/AVX-512, no C
+    compiler), with the reason logged."""
+    if isa is not None and isa not in runnable_isas():
+        raise ValueError(f"this CPU cannot run the {isa} kernel (it runs {runnable_isas() or 'none'})")
+    isa = isa or cpu_isa()
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if isa is None or compiler is None:
         logger.warning("CPU kernels unavailable: %s", "no AVX2/AVX-512" if isa is None else "no C compiler (gcc/cc)")
