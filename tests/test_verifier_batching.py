@@ -11,12 +11,14 @@ import random
 import pytest
 import torch
 
+from gateway.errors import SessionConflictError
 from spade_core.params import SamplingConfig
 from spade_models.kv_cache import TokenCache, cache_argument_name
 from verifier_service.backends import batching
-from verifier_service.backends.base import BlockToVerify
+from verifier_service.backends.base import BlockToVerify, BlockVerdict
 from verifier_service.backends.batching import MAX_PAD_ROWS, PendingCall, batched_forward, padding_fits, take_batch
 from verifier_service.backends.transformers_backend import TransformersBackend
+from verifier_service.protocol import SESSION_RESYNC_CODE
 from verifier_support import (
     committed_after,
     new_session_id,
@@ -215,3 +217,58 @@ def test_batch_sizes_and_queue_times_are_on_metrics_and_in_timings(tiny_pair, vo
     assert "spade_verifier_batch_sessions_count 1.0" in metrics
     assert "spade_verifier_queue_seconds_count 1.0" in metrics
     assert committed_after(context, [], answer)[:8] == context
+
+
+# A session that ends, or a caller that leaves, while its call waits for a batch ---------------
+
+WAIT_FOR_COMPANY_S = 0.5
+"""Long enough that a lone call is still waiting for company when the test acts on it."""
+
+
+async def _queued_then(backend: TransformersBackend, act) -> tuple[BaseException | None, BlockVerdict]:
+    """Queue a call of session "left", ``act`` on it while it waits, then verify session "next";
+    returns what the "left" caller got and "next"'s verdict."""
+    waiting = asyncio.create_task(backend.verify_block(BlockToVerify("left", [5, 6, 7], [8], None, GREEDY)))
+    await asyncio.sleep(WAIT_FOR_COMPANY_S / 5)
+    act(waiting)
+    next_verdict = await backend.verify_block(BlockToVerify("next", [9, 10], [11], None, GREEDY))
+    outcome = await asyncio.gather(waiting, return_exceptions=True)
+    return outcome[0] if isinstance(outcome[0], BaseException) else None, next_verdict
+
+
+def _batching_backend(target_model) -> TransformersBackend:
+    backend = TransformersBackend(target_model)
+    backend.enable_batching(4, batch_wait_s=WAIT_FOR_COMPANY_S)
+    return backend
+
+
+def test_a_session_released_while_its_call_waits_keeps_no_cache(target_model):
+    # The edge deletes its session while the call sits in the gatherer: the call must not run
+    # afterwards and store a cache nobody will free.
+    async def run():
+        backend = _batching_backend(target_model)
+        try:
+            error, next_verdict = await _queued_then(backend, lambda task: backend.release_session("left"))
+            return error, next_verdict, backend.num_cached_sessions
+        finally:
+            await backend.aclose()
+
+    error, next_verdict, num_cached = asyncio.run(run())
+    assert isinstance(error, SessionConflictError) and error.code == SESSION_RESYNC_CODE
+    assert next_verdict.num_batched == 1  # the released call did not share (or cost) a forward
+    assert num_cached == 1  # "next" only
+
+
+def test_a_call_whose_caller_left_costs_no_forward(target_model):
+    async def run():
+        backend = _batching_backend(target_model)
+        try:
+            error, next_verdict = await _queued_then(backend, lambda task: task.cancel())
+            return error, next_verdict, backend.num_cached_sessions
+        finally:
+            await backend.aclose()
+
+    error, next_verdict, num_cached = asyncio.run(run())
+    assert isinstance(error, asyncio.CancelledError)
+    assert next_verdict.num_batched == 1
+    assert num_cached == 1

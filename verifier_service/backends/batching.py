@@ -14,7 +14,9 @@ fill without waiting. A session never has two calls in one batch (the second wai
 next). Calls of very different lengths do not share a batch (``padding_fits``: every row of the
 padded batch is computed, so a prompt's prefill padded onto others' blocks would cost the
 prompt's length once per session); a call left out waits for the next batch, which the oldest
-waiting call always opens, so no session starves.
+waiting call always opens, so no session starves. A call whose caller went away is dropped when
+the batch is taken (no forward for nobody), and a session that ends drops its waiting calls
+(``drop_session``): run afterwards, they would store a KV cache nobody frees.
 
 ``batched_forward`` stacks the sessions' caches and new tokens into one padded batch. Worked
 example, session A with 3 cached tokens and 2 new, B with 1 cached and 3 new (pad = ·):
@@ -138,11 +140,24 @@ class BatchGatherer:
                 call.future.cancel()
         self._queue.clear()
 
+    def drop_session(self, session_id: str, error: Exception) -> int:
+        """Take the session's waiting calls out of the queue (the session ended); their callers
+        get ``error``. A call already in a running batch finishes first, on the same worker
+        thread that then frees the session's cache. Returns how many calls were dropped."""
+        dropped = [call for call in self._queue if call.block.session_id == session_id]
+        for call in dropped:
+            self._queue.remove(call)
+            _settle(call.future, error=error)
+        return len(dropped)
+
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
             await self._gather()
+            self._queue[:] = [call for call in self._queue if not call.future.done()]  # callers that left cost nothing
             batch = take_batch(self._queue, self.max_batch_sessions, self._rows_of)
+            if not batch:
+                continue
             try:
                 verdicts = await loop.run_in_executor(self._executor, self._run_batch, batch)
             except Exception as error:  # every caller of the batch gets the error

@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from gateway.engine import TopLogprobs
+from gateway.errors import SessionConflictError
 from gateway.model import ModelDescription
 from spade_core.acceptance import accept_block
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
@@ -29,6 +30,7 @@ from verifier_service.backends.batching import BatchGatherer, verify_batch
 from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
 from verifier_service.backends.growing_cache import growing_cache
 from verifier_service.kv_budget import kv_bytes_per_token
+from verifier_service.protocol import SESSION_RESYNC_CODE
 
 
 class TransformersBackend(VerifierBackend):
@@ -93,6 +95,16 @@ class TransformersBackend(VerifierBackend):
         return await loop.run_in_executor(self._executor, self._verify, block, queued_at)
 
     def release_session(self, session_id: str) -> None:
+        """Free the session's cache after any forward already running for it (same worker thread);
+        a call of the session still waiting for a batch is dropped, or it would run afterwards and
+        store a cache nobody frees."""
+        if self._gatherer is not None:
+            ended = SessionConflictError(
+                f"session {session_id!r} ended while this call waited for the target: resend the full context with prefix_length 0",
+                param="session_id",
+                code=SESSION_RESYNC_CODE,
+            )
+            self._gatherer.drop_session(session_id, ended)
         self._executor.submit(self._caches.pop, session_id, None)
 
     async def aclose(self) -> None:
