@@ -15,8 +15,9 @@ next). Calls of very different lengths do not share a batch (``padding_fits``: e
 padded batch is computed, so a prompt's prefill padded onto others' blocks would cost the
 prompt's length once per session); a call left out waits for the next batch, which the oldest
 waiting call always opens, so no session starves. A call whose caller went away is dropped when
-the batch is taken (no forward for nobody), and a session that ends drops its waiting calls
-(``drop_session``): run afterwards, they would store a KV cache nobody frees.
+the batch is taken (no forward for nobody); the waiting calls of a session that is released
+(ended, or evicted by the registry while a call was on its way) are still answered but keep no
+KV cache (``forget_session``): run after the release, they would store one nobody frees.
 
 ``batched_forward`` stacks the sessions' caches and new tokens into one padded batch. Worked
 example, session A with 3 cached tokens and 2 new, B with 1 cached and 3 new (pad = ·):
@@ -61,6 +62,9 @@ class PendingCall:
     block: BlockToVerify
     queued_at: float
     future: asyncio.Future = field(repr=False)
+    keep_cache: bool = True
+    """False once the session was released while this call waited: it is still answered (the
+    block carries its whole context), but its KV cache is not kept."""
 
 
 MAX_PAD_ROWS = 16
@@ -140,15 +144,15 @@ class BatchGatherer:
                 call.future.cancel()
         self._queue.clear()
 
-    def drop_session(self, session_id: str, error: Exception) -> int:
-        """Take the session's waiting calls out of the queue (the session ended); their callers
-        get ``error``. A call already in a running batch finishes first, on the same worker
-        thread that then frees the session's cache. Returns how many calls were dropped."""
-        dropped = [call for call in self._queue if call.block.session_id == session_id]
-        for call in dropped:
-            self._queue.remove(call)
-            _settle(call.future, error=error)
-        return len(dropped)
+    def forget_session(self, session_id: str) -> int:
+        """The session was released: its waiting calls will still be answered but keep no KV
+        cache (run after the release, they would store one nobody frees). A call already in a
+        running batch finishes first, on the worker thread that then frees the session's cache.
+        Returns how many waiting calls were marked."""
+        waiting = [call for call in self._queue if call.block.session_id == session_id]
+        for call in waiting:
+            call.keep_cache = False
+        return len(waiting)
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -285,7 +289,7 @@ def verify_batch(backend, batch: list[PendingCall]) -> list[BlockVerdict]:
     """The backend's verify for several sessions at once (runs on its worker thread). A batch
     of one takes the backend's own one-session path, unchanged."""
     if len(batch) == 1 or not accepts_padding(backend._model):
-        return [backend._verify(call.block, call.queued_at) for call in batch]
+        return [backend._verify(call.block, call.queued_at, call.keep_cache) for call in batch]
     started = time.perf_counter()
     entries = [backend._caches.pop(call.block.session_id, None) or TokenCache.empty(backend._model) for call in batch]
     new_token_ids = [
@@ -296,5 +300,7 @@ def verify_batch(backend, batch: list[PendingCall]) -> list[BlockVerdict]:
     logits = batched_forward(backend._model, entries, new_token_ids, backend._cache_argument, backend._device, num_scored)
     verdicts = []
     for entry, call, ids, scored in zip(entries, batch, new_token_ids, logits, strict=True):
-        verdicts.append(backend._conclude(entry, call.block, len(ids), scored, call.queued_at, started, len(batch)))
+        verdicts.append(
+            backend._conclude(entry, call.block, len(ids), scored, call.queued_at, started, len(batch), keep_cache=call.keep_cache)
+        )
     return verdicts

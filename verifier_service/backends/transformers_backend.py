@@ -19,7 +19,6 @@ from functools import partial
 import torch
 
 from gateway.engine import TopLogprobs
-from gateway.errors import SessionConflictError
 from gateway.model import ModelDescription
 from spade_core.acceptance import accept_block
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
@@ -30,7 +29,6 @@ from verifier_service.backends.batching import BatchGatherer, verify_batch
 from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
 from verifier_service.backends.growing_cache import growing_cache
 from verifier_service.kv_budget import kv_bytes_per_token
-from verifier_service.protocol import SESSION_RESYNC_CODE
 
 
 class TransformersBackend(VerifierBackend):
@@ -95,16 +93,10 @@ class TransformersBackend(VerifierBackend):
         return await loop.run_in_executor(self._executor, self._verify, block, queued_at)
 
     def release_session(self, session_id: str) -> None:
-        """Free the session's cache after any forward already running for it (same worker thread);
-        a call of the session still waiting for a batch is dropped, or it would run afterwards and
-        store a cache nobody frees."""
+        """Free the session's cache after any forward already submitted for it (same worker
+        thread); a call of the session still waiting for a batch keeps no cache when it runs."""
         if self._gatherer is not None:
-            ended = SessionConflictError(
-                f"session {session_id!r} ended while this call waited for the target: resend the full context with prefix_length 0",
-                param="session_id",
-                code=SESSION_RESYNC_CODE,
-            )
-            self._gatherer.drop_session(session_id, ended)
+            self._gatherer.forget_session(session_id)
         self._executor.submit(self._caches.pop, session_id, None)
 
     async def aclose(self) -> None:
@@ -121,12 +113,12 @@ class TransformersBackend(VerifierBackend):
         cached = 0 if entry is None else min(common_prefix_length(entry.token_ids, context), len(context) - 1)
         return len(context) - cached + block.num_drafted
 
-    def _verify(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
+    def _verify(self, block: BlockToVerify, queued_at: float, keep_cache: bool = True) -> BlockVerdict:
         started = time.perf_counter()
         entry = self._caches.pop(block.session_id, None) or self._new_cache()
         num_input_tokens, logits = self._forward(entry, block)
         model_s = time.perf_counter() - started
-        return self._conclude(entry, block, num_input_tokens, logits, queued_at, started, model_s=model_s)
+        return self._conclude(entry, block, num_input_tokens, logits, queued_at, started, model_s=model_s, keep_cache=keep_cache)
 
     def _new_cache(self) -> TokenCache:
         """With the CPU kernels, a cache that appends in place (``growing_cache``)."""
@@ -144,8 +136,10 @@ class TransformersBackend(VerifierBackend):
         started: float,
         num_batched: int = 1,
         model_s: float | None = None,
+        keep_cache: bool = True,
     ) -> BlockVerdict:
-        """Acceptance over the block's logits [d + 1, vocab]; the cache keeps what is committed."""
+        """Acceptance over the block's logits [d + 1, vocab]; the cache keeps what is committed
+        (unless ``keep_cache`` is False: the session was released meanwhile)."""
         target_probs = processed_probs(logits, block.sampling)  # [d + 1, vocab]
         uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
         draft_ids = torch.tensor(block.draft_token_ids, dtype=torch.long)
@@ -154,7 +148,8 @@ class TransformersBackend(VerifierBackend):
         # Keep the cache over the context and the accepted drafts; the rejected ones go.
         entry.token_ids = block.context_token_ids + block.draft_token_ids
         entry.crop_to(len(block.context_token_ids) + acceptance.num_accepted)
-        self._caches[block.session_id] = entry
+        if keep_cache:
+            self._caches[block.session_id] = entry
         emitted = block.draft_token_ids[: acceptance.num_accepted] + [acceptance.next_token_id]
         logprobs, top_logprobs = asked_logprobs(logits, emitted, block)
         return BlockVerdict(
