@@ -18,7 +18,10 @@ batch-invariant mode.
 
 from __future__ import annotations
 
+import platform
 import random
+import re
+import sys
 
 import openai
 import pytest
@@ -37,6 +40,7 @@ from verifier_service.backends.cpu_kernels import (
     can_pack,
     load_kernel_library,
     pack_weight,
+    prefault_for_writing,
     prepare_cpu_kernels,
     runnable_isas,
     shared_parameters,
@@ -136,6 +140,29 @@ def test_kernel_output_does_not_depend_on_the_thread_count(library, form, num_ro
     rows, weight = torch.randn(num_rows, 256, generator=generator), torch.randn(output_count(library, form, 700), 256, generator=generator)
     one_thread = kernel_linear(library, rows, weight, None, threads=1, form=form)
     assert torch.equal(one_thread, kernel_linear(library, rows, weight, None, threads=2, form=form))
+
+
+def kernel_has_populate_write() -> bool:
+    """madvise(MADV_POPULATE_WRITE) exists on Linux 5.14 and later."""
+    if not sys.platform.startswith("linux"):
+        return False
+    major, minor = (int(part) for part in re.match(r"(\d+)\.(\d+)", platform.release()).groups())
+    return (major, minor) >= (5, 14)
+
+
+def test_prefaulting_for_writing_keeps_the_contents_and_leaves_the_file_alone(tmp_path):
+    # A privately memory-mapped file, as a safetensors checkpoint is loaded; the tensor starts
+    # mid-page, so its first page holds values before it too.
+    path = tmp_path / "weights.bin"
+    values = torch.arange(3 * 4096, dtype=torch.float32)
+    values.numpy().tofile(path)
+    mapped = torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.float32)
+    weight = mapped[1000:]
+    assert prefault_for_writing([weight, mapped[:0]]) == (1 if kernel_has_populate_write() else 0)
+    assert torch.equal(mapped, values)
+    weight.fill_(-1.0)
+    assert torch.equal(mapped[:1000], values[:1000])
+    assert torch.equal(torch.from_file(str(path), shared=False, size=values.numel(), dtype=torch.float32), values)
 
 
 def test_only_weights_a_layer_alone_reads_with_whole_panels_are_packed():
