@@ -155,7 +155,7 @@ async def run_level(
     """N users at once (user k replays session k mod len); returns them and the /metrics delta,
     with ``cpu_seconds()``'s delta (the verifier's process tree) as VERIFIER_CPU when given."""
     limits = httpx.Limits(max_connections=num_users + 4)
-    cpu_before = cpu_seconds() if cpu_seconds else None
+    cpu_before = cpu_seconds() if cpu_seconds is not None else 0.0
     async with httpx.AsyncClient(base_url=verifier_url, timeout=timeout_s, limits=limits) as client:
         before = await _metrics(client)
         if mode == SPADE:
@@ -166,7 +166,7 @@ async def run_level(
         results = await asyncio.gather(*users)
         after = await _metrics(client)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in METRIC_NAMES if name in after}
-    if cpu_seconds and cpu_before is not None:
+    if cpu_seconds is not None:
         delta[VERIFIER_CPU] = cpu_seconds() - cpu_before
     return list(results), delta
 

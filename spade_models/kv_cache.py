@@ -28,10 +28,14 @@ class TokenCache:
             self.cache.crop(-(self.cache.get_seq_length() - length))
             self.token_ids = self.token_ids[:length]
 
+    def reusable_length(self, context: list[int]) -> int:
+        """How many of ``context``'s tokens this cache can keep: the longest shared prefix, with
+        at least the context's last token left uncached (its logits are needed)."""
+        return min(common_prefix_length(self.token_ids, context), len(context) - 1)
+
     def reuse_for(self, context: list[int]) -> list[int]:
-        """Crop to the longest prefix shared with ``context``, keeping at least its last token
-        uncached (its logits are needed); return the tokens still to feed."""
-        self.crop_to(min(common_prefix_length(self.token_ids, context), len(context) - 1))
+        """Crop to ``reusable_length(context)``; return the tokens still to feed."""
+        self.crop_to(self.reusable_length(context))
         return context[len(self.token_ids) :]
 
 

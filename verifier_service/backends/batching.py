@@ -144,15 +144,13 @@ class BatchGatherer:
                 call.future.cancel()
         self._queue.clear()
 
-    def forget_session(self, session_id: str) -> int:
+    def forget_session(self, session_id: str) -> None:
         """The session was released: its waiting calls will still be answered but keep no KV
         cache (run after the release, they would store one nobody frees). A call already in a
-        running batch finishes first, on the worker thread that then frees the session's cache.
-        Returns how many waiting calls were marked."""
-        waiting = [call for call in self._queue if call.block.session_id == session_id]
-        for call in waiting:
-            call.keep_cache = False
-        return len(waiting)
+        running batch finishes first, on the worker thread that then frees the session's cache."""
+        for call in self._queue:
+            if call.block.session_id == session_id:
+                call.keep_cache = False
 
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()

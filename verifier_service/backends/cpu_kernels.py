@@ -39,7 +39,9 @@ import tempfile
 import time
 import types
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeGuard
 
@@ -227,17 +229,18 @@ def apply_cpu_kernels(
         linear_path, panel_width = f"kernel-{library.isa.lower()}", library.panel_width
         shared = shared_parameters(model)
         packed = [module for module in linears if pack_weights and can_pack(module, panel_width, shared)]
-        forwards = {id(module): packed_forward(library) for module in packed}
-        unpacked_forward = kernel_forward(library)
-    elif batch_invariant:
-        linear_path, panel_width, forwards, unpacked_forward = "torch-rowwise", 0, {}, rowwise_forward
+        unpacked_forward = kernel_forward(library.linear)
+        packed_forward = kernel_forward(library.packed_linear, partial(unpacked, panel_width=panel_width))
+    elif batch_invariant:  # nothing is packed without the kernel
+        linear_path, panel_width, unpacked_forward, packed_forward = "torch-rowwise", 0, rowwise_forward, rowwise_forward
     else:
-        linear_path, panel_width, forwards, unpacked_forward, linears = "torch", 0, {}, None, []
+        linear_path, panel_width, unpacked_forward, packed_forward, linears = "torch", 0, None, None, []
     prefault_for_writing([module.weight for module in packed])
     for module in packed:
         pack_weight(module.weight, panel_width)
+    packed_ids = {id(module) for module in packed}
     for module in linears:
-        forward = forwards.get(id(module), unpacked_forward)
+        forward = packed_forward if id(module) in packed_ids else unpacked_forward
         # An instance attribute shadowing the class's forward (CpuKernelPatch.remove deletes it).
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
     set_attention(model, attention)
@@ -332,26 +335,16 @@ def set_attention(model: PreTrainedModel, implementation: str) -> None:
         model.set_attn_implementation(implementation)
 
 
-def kernel_forward(library: KernelLibrary):
-    def forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
-        if input.dtype != torch.float32 or input.device.type != "cpu" or (input.requires_grad and torch.is_grad_enabled()):
-            return nn.functional.linear(input, module.weight, module.bias)
-        rows = input.reshape(-1, input.shape[-1]).contiguous()
-        return library.linear(rows, module.weight, module.bias).view(*input.shape[:-1], module.weight.shape[0])
-
-    return forward
-
-
-def packed_forward(library: KernelLibrary):
-    """For a layer whose weight ``pack_weight`` packed; anything the kernel does not take (another
-    dtype or device, autograd) gets stock F.linear on a row-major copy."""
-    panel_width = library.panel_width
+def kernel_forward(product: Callable[..., torch.Tensor], row_major: Callable[[torch.Tensor], torch.Tensor] = lambda weight: weight):
+    """A linear layer's forward through ``product`` (``KernelLibrary.linear``, or ``packed_linear``
+    with ``row_major`` undoing the packing); anything the kernel does not take (another dtype or
+    device, autograd) gets stock F.linear on the row-major weight."""
 
     def forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
         if input.dtype != torch.float32 or input.device.type != "cpu" or (input.requires_grad and torch.is_grad_enabled()):
-            return nn.functional.linear(input, unpacked(module.weight, panel_width), module.bias)
+            return nn.functional.linear(input, row_major(module.weight), module.bias)
         rows = input.reshape(-1, input.shape[-1]).contiguous()
-        return library.packed_linear(rows, module.weight, module.bias).view(*input.shape[:-1], module.weight.shape[0])
+        return product(rows, module.weight, module.bias).view(*input.shape[:-1], module.weight.shape[0])
 
     return forward
 

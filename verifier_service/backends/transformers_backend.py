@@ -22,7 +22,7 @@ from gateway.engine import TopLogprobs
 from gateway.model import ModelDescription
 from spade_core.acceptance import accept_block
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
-from spade_models.kv_cache import TokenCache, cache_argument_name, common_prefix_length
+from spade_models.kv_cache import TokenCache, cache_argument_name
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.backends.batching import BatchGatherer, verify_batch
@@ -110,7 +110,7 @@ class TransformersBackend(VerifierBackend):
         for batching: an estimate, exact unless the session's cache changes before it runs."""
         entry = self._caches.get(block.session_id)
         context = block.context_token_ids
-        cached = 0 if entry is None else min(common_prefix_length(entry.token_ids, context), len(context) - 1)
+        cached = 0 if entry is None else entry.reusable_length(context)
         return len(context) - cached + block.num_drafted
 
     def _verify(self, block: BlockToVerify, queued_at: float, keep_cache: bool = True) -> BlockVerdict:
