@@ -194,7 +194,7 @@ async def bench_backend(
 
 
 async def transformers_rows(source: ModelSource, draft: LoadedModel | None, config: BenchConfig, args) -> list[str]:
-    from verifier_service.backends.transformers_backend import TransformersBackend
+    from verifier_service.backends.transformers.backend import TransformersBackend
 
     started = time.perf_counter()
     backend = TransformersBackend(

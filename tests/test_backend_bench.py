@@ -14,7 +14,7 @@ from edge_agent.settings import EdgeSettings
 from spade_bench.backend_bench import BenchConfig, RandomTokens, draft_block, run_rounds
 from spade_core.params import SamplingConfig
 from verifier_service.backends.base import BlockToVerify, BlockVerdict
-from verifier_service.backends.transformers_backend import TransformersBackend
+from verifier_service.backends.transformers.backend import TransformersBackend
 
 SAMPLED = SamplingConfig(temperature=1.0, seed=3)
 

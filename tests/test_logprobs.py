@@ -32,7 +32,8 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-import verifier_service.backends.transformers_backend as transformers_backend
+import verifier_service.backends.transformers.backend as transformers_backend
+import verifier_service.backends.transformers.runner as transformers_runner
 from edge_agent.app import build_engine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
@@ -585,13 +586,13 @@ async def edge_in_process(pair, **edge_settings) -> AsyncIterator[tuple[FastAPI,
 def logprob_computations(monkeypatch) -> list[int]:
     """Counts the verifier's reported_logprobs calls (the only full-vocabulary logprob work)."""
     calls: list[int] = []
-    original = transformers_backend.reported_logprobs
+    original = transformers_runner.reported_logprobs
 
     def counted(logits, config):
         calls.append(logits.shape[0])
         return original(logits, config)
 
-    monkeypatch.setattr(transformers_backend, "reported_logprobs", counted)
+    monkeypatch.setattr(transformers_runner, "reported_logprobs", counted)
     return calls
 
 

@@ -1,32 +1,31 @@
-"""Batched verification (``verifier_service.backends.batching``) against one-at-a-time
-verification on the tiny target (fp32): the same verdicts for mixed block and context lengths,
-greedy and seeded sampling, target-only steps included; logits and caches close to a plain
-forward; FIFO batches with at most one call per session; batch sizes on /metrics."""
+"""Batched verification on the transformers backend (``backends.transformers``): one ragged
+forward over several sessions' real rows, chunked prefill, the scheduler's choice of shares,
+holding a forward for sessions due soon, and what happens to sessions that leave mid-batch.
+
+Verdicts of a shared forward equal one-at-a-time verdicts (fp32 greedy and seeded sampling;
+bitwise logits in batch-invariant mode), whatever the block lengths, context lengths and
+chunking."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
 
 from spade_core.params import SamplingConfig
 from spade_models.kv_cache import TokenCache, cache_argument_name
-from verifier_service.backends import batching
-from verifier_service.backends.base import BlockToVerify, BlockVerdict
-from verifier_service.backends.batching import MAX_PAD_ROWS, PendingCall, batched_forward, padding_fits, take_batch
-from verifier_service.backends.transformers_backend import TransformersBackend
-from verifier_support import (
-    committed_after,
-    new_session_id,
-    plain_forward_logits,
-    random_tokens,
-    running_client,
-    verifier_app,
-    verify,
-    verify_body,
-)
+from spade_models.loader import ModelSource, load_model
+from verifier_service.backends.base import BlockToVerify, ForwardRecord
+from verifier_service.backends.cpu_kernels import apply_cpu_kernels, cpu_isa, load_kernel_library
+from verifier_service.backends.growing_cache import GrowingLayer, growing_cache
+from verifier_service.backends.transformers.backend import TransformersBackend
+from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
+from verifier_service.backends.transformers.runner import ModelRunner, Share
+from verifier_service.backends.transformers.scheduler import MIN_CHUNK_ROWS, PendingCall, SchedulerLimits, plan_forward
+from verifier_support import committed_after, new_session_id, plain_forward_logits, random_tokens, running_client, verifier_app, verify, verify_body
 
 GREEDY = SamplingConfig(temperature=0.0)
 SEEDED = SamplingConfig(temperature=0.8, top_k=0, top_p=1.0, seed=11)
@@ -42,59 +41,110 @@ def vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def _filled_cache(model, token_ids: list[int]) -> TokenCache:
-    entry = TokenCache.empty(model)
+def _filled_cache(model, token_ids: list[int]):
+    cache = growing_cache(model.config)
     if token_ids:
         with torch.inference_mode():
-            model(input_ids=torch.tensor([token_ids]), use_cache=True, **{cache_argument_name(model): entry.cache})
-        entry.token_ids = list(token_ids)
-    return entry
+            model(input_ids=torch.tensor([token_ids]), use_cache=True, **{cache_argument_name(model): cache})
+    return cache
 
 
-def test_batched_forward_matches_a_plain_forward_for_mixed_cached_and_new_lengths(model, vocab_size):
+def _ragged(model, cached_lengths: list[int], contexts: list[list[int]], scored: list[int] | None = None):
+    """A ragged forward of every context's uncached tail; returns (logits, caches, segments)."""
+    register_ragged_attention()
+    caches = [_filled_cache(model, context[:cached]) for context, cached in zip(contexts, cached_lengths, strict=True)]
+    new_ids = [context[cached:] for context, cached in zip(contexts, cached_lengths, strict=True)]
+    bounds = [0]
+    for ids in new_ids:
+        bounds.append(bounds[-1] + len(ids))
+    segments = list(zip(bounds, bounds[1:], strict=False))
+    rows = list(range(bounds[-1])) if scored is None else scored
+    logits = ragged_forward(model, RaggedCache(caches, segments), new_ids, cached_lengths, rows)
+    return logits, caches, segments
+
+
+# --- the ragged forward --------------------------------------------------------------------------
+
+
+def test_a_ragged_forward_matches_a_plain_forward_per_session(model, vocab_size):
     rng = random.Random(0)
     cached_lengths, new_lengths = [0, 7, 20, 3], [5, 1, 9, 4]
     contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths, strict=True)]
-    entries = [_filled_cache(model, context[:c]) for context, c in zip(contexts, cached_lengths, strict=True)]
-    new_ids = [context[c:] for context, c in zip(contexts, cached_lengths, strict=True)]
-    logits = batched_forward(model, entries, new_ids, cache_argument_name(model), torch.device("cpu"))
-    for context, c, rows, entry in zip(contexts, cached_lengths, logits, entries, strict=True):
-        assert rows.shape == (len(context) - c, vocab_size)
-        torch.testing.assert_close(rows, plain_forward_logits(model, context)[c:], atol=1e-4, rtol=1e-4)
-        assert entry.cache.get_seq_length() == len(context)
+    logits, caches, segments = _ragged(model, cached_lengths, contexts)
+    assert logits.shape == (sum(new_lengths), vocab_size)  # real rows only: nothing padded
+    for context, cached, cache, (start, end) in zip(contexts, cached_lengths, caches, segments, strict=True):
+        torch.testing.assert_close(logits[start:end], plain_forward_logits(model, context)[cached:], atol=1e-4, rtol=1e-4)
+        assert cache.get_seq_length() == len(context)
+
+
+def test_each_session_keeps_its_growing_cache_and_grows_it_in_place(model, vocab_size):
+    rng = random.Random(1)
+    contexts = [random_tokens(rng, 12, vocab_size), random_tokens(rng, 30, vocab_size)]
+    caches = [_filled_cache(model, context[:10]) for context in contexts]
+    storage = [cache.layers[0].keys.data_ptr() for cache in caches]
+    register_ragged_attention()
+    new_ids = [context[10:] for context in contexts]
+    ragged_forward(model, RaggedCache(caches, [(0, 2), (2, 22)]), new_ids, [10, 10], [1, 21])
+    assert all(isinstance(layer, GrowingLayer) for cache in caches for layer in cache.layers)
+    assert [cache.layers[0].keys.data_ptr() for cache in caches] == storage  # appended in place: no copy
+    follow_up = random_tokens(rng, 3, vocab_size)
+    for context, cache in zip(contexts, caches, strict=True):
+        with torch.inference_mode():
+            rows = model(input_ids=torch.tensor([follow_up]), use_cache=True, **{cache_argument_name(model): cache}).logits[0]
+        torch.testing.assert_close(rows, plain_forward_logits(model, context + follow_up)[-3:], atol=1e-4, rtol=1e-4)
 
 
 def test_only_the_scored_rows_reach_the_output_layer(model, vocab_size):
-    # A long prefill beside short blocks: each session gets its last k rows, equal to a plain
-    # forward's, and the output layer sees only the positions some session scores (not the
-    # padded batch's whole length for every session).
     rng = random.Random(2)
-    cached_lengths, new_lengths, scored = [0, 12, 5], [40, 3, 6], [1, 3, 2]
-    contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths, strict=True)]
-    entries = [_filled_cache(model, context[:c]) for context, c in zip(contexts, cached_lengths, strict=True)]
-    new_ids = [context[c:] for context, c in zip(contexts, cached_lengths, strict=True)]
+    contexts = [random_tokens(rng, n, vocab_size) for n in (40, 3, 6)]
     projected: list[int] = []
     hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: projected.append(args[0].shape[1]))
     try:
-        logits = batched_forward(model, entries, new_ids, cache_argument_name(model), torch.device("cpu"), scored)
+        logits, _, _ = _ragged(model, [0, 0, 0], contexts, scored=[39, 40, 41, 42, 47, 48])
     finally:
         hook.remove()
-    assert projected == [len({39} | {0, 1, 2} | {4, 5})]  # positions 39; 0-2; 4-5
-    for context, k, rows in zip(contexts, scored, logits, strict=True):
-        assert rows.shape == (k, vocab_size)
-        torch.testing.assert_close(rows, plain_forward_logits(model, context)[-k:], atol=1e-4, rtol=1e-4)
+    assert projected == [6]
+    torch.testing.assert_close(logits[0], plain_forward_logits(model, contexts[0])[39], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[4:], plain_forward_logits(model, contexts[2])[4:], atol=1e-4, rtol=1e-4)
 
 
-def test_a_cache_split_back_from_a_batch_serves_the_next_one_session_forward(model, vocab_size):
-    rng = random.Random(1)
-    contexts = [random_tokens(rng, 6, vocab_size), random_tokens(rng, 15, vocab_size)]
-    entries = [TokenCache.empty(model), TokenCache.empty(model)]
-    batched_forward(model, entries, contexts, cache_argument_name(model), torch.device("cpu"))
-    follow_up = random_tokens(rng, 3, vocab_size)
-    for context, entry in zip(contexts, entries, strict=True):
-        with torch.inference_mode():
-            rows = model(input_ids=torch.tensor([follow_up]), use_cache=True, **{cache_argument_name(model): entry.cache}).logits[0]
-        torch.testing.assert_close(rows, plain_forward_logits(model, context + follow_up)[-3:], atol=1e-4, rtol=1e-4)
+@pytest.fixture(params=["torch-rowwise", "kernel"])
+def invariant_model(request, tiny_pair, tmp_path):
+    """A fresh tiny target in batch-invariant mode, with and without the compiled kernel."""
+    library = None
+    if request.param == "kernel":
+        library = load_kernel_library(tmp_path, cpu_isa())
+        if library is None:
+            pytest.skip("the CPU kernel cannot be built here (needs AVX2 or AVX-512 and gcc/cc); see the warning logged")
+    model = load_model(ModelSource(str(tiny_pair.target_dir))).model
+    apply_cpu_kernels(model, library, batch_invariant=True)
+    return model
+
+
+def test_batch_invariant_rows_are_bitwise_equal_whatever_shares_the_forward(invariant_model):
+    # Session A's 5 rows alone, then beside B's 9 rows and C's 2: bitwise the same logits,
+    # and each equal to a one-token forward at its position.
+    rng = random.Random(4)
+    vocab_size = invariant_model.get_output_embeddings().weight.shape[0]
+    a, b, c = (random_tokens(rng, n, vocab_size) for n in (17, 25, 6))
+    runner = ModelRunner(invariant_model, torch.device("cpu"), batch_invariant=True)
+
+    def rows_of_a(shares: list[tuple[str, list[int], list[int]]]) -> torch.Tensor:
+        entries = [TokenCache(_filled_cache(invariant_model, context[:12]), context[:12]) for _, context, _ in shares]
+        from verifier_service.backends.transformers.runner import FedRows
+
+        fed = [FedRows(context[12:] + block, 12, len(context) - 12 + len(block)) for _, context, block in shares]
+        return runner._forward(entries, fed)[0]
+
+    alone = rows_of_a([("a", a, [])])
+    shared = rows_of_a([("a", a, []), ("b", b, [3, 4, 5, 6]), ("c", c + [1] * 8, [])])
+    assert torch.equal(alone, shared)
+    for row in range(5):  # a one-token forward at each of A's positions
+        step = rows_of_a([("a", a[: 13 + row], [])])
+        assert torch.equal(step[-1], alone[row])
+
+
+# --- verdicts: shared forwards, chunked prefills -----------------------------------------------------
 
 
 def _draft_probs(rng: random.Random, block: list[int], vocab_size: int) -> torch.Tensor:
@@ -115,10 +165,10 @@ def _round_of_blocks(rng, contexts: dict[str, list[int]], sampling: SamplingConf
 
 
 async def _verify_rounds(backend, sampling: SamplingConfig, vocab_size: int, concurrently: bool, num_rounds: int = 3):
-    """Sessions with contexts of 1-30 tokens, several rounds through their caches; returns
-    every verdict (num_accepted, next token, batch size) in session order."""
+    """Sessions with contexts of 1-60 tokens, several rounds through their caches; returns
+    every verdict (num_accepted, next token, sessions in its forward, rows fed) in session order."""
     rng = random.Random(7)
-    contexts = {f"s{index}": random_tokens(rng, rng.randrange(1, 31), vocab_size) for index in range(6)}
+    contexts = {f"s{index}": random_tokens(rng, rng.randrange(1, 61), vocab_size) for index in range(6)}
     verdicts = []
     for _ in range(num_rounds):
         blocks = _round_of_blocks(rng, contexts, sampling, vocab_size)
@@ -127,103 +177,134 @@ async def _verify_rounds(backend, sampling: SamplingConfig, vocab_size: int, con
         else:
             answers = [await backend.verify_block(block) for block in blocks]
         for block, answer in zip(blocks, answers, strict=True):
-            verdicts.append((answer.num_accepted, answer.next_token_id, answer.num_batched))
+            verdicts.append((answer.num_accepted, answer.next_token_id, answer.num_batched, answer.num_target_tokens))
             emitted = block.draft_token_ids[: answer.num_accepted] + [answer.next_token_id]
             contexts[block.session_id] = block.context_token_ids + emitted
     return verdicts
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_batched_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling, monkeypatch):
-    # Every round as ONE padded forward of all six sessions, however different their lengths
-    # (the gatherer would otherwise split them): padding must not change any verdict.
-    monkeypatch.setattr(batching, "padding_fits", lambda rows: True)
+def _backend(target_model, **limits) -> TransformersBackend:
+    backend = TransformersBackend(target_model)
+    backend.configure(SchedulerLimits(**limits))
+    return backend
 
-    async def run(max_batch_sessions: int, concurrently: bool):
-        backend = TransformersBackend(target_model)
-        backend.enable_batching(max_batch_sessions, batch_wait_s=1.0)
+
+async def _rounds(target_model, sampling, vocab_size, concurrently: bool, records: list | None = None, **limits):
+    backend = _backend(target_model, **limits)
+    if records is not None:
+        backend.observe_forwards(records.append)
+    try:
+        return await _verify_rounds(backend, sampling, vocab_size, concurrently)
+    finally:
+        await backend.aclose()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_shared_forward_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling):
+    alone = asyncio.run(_rounds(target_model, sampling, vocab_size, False, max_batch_sessions=1))
+    shared = asyncio.run(_rounds(target_model, sampling, vocab_size, True, max_batch_sessions=6, max_forward_rows=512, batch_wait_s=1.0))
+    assert [v[:2] for v in shared] == [v[:2] for v in alone]
+    assert [v[3] for v in shared] == [v[3] for v in alone]  # the same rows fed per call
+    assert {v[2] for v in alone} == {1}
+    assert {v[2] for v in shared} == {6}  # every round ran as one forward of all six sessions
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_chunked_prefills_give_the_verdicts_of_whole_ones(target_model, vocab_size, sampling):
+    # Forwards of at most 8 rows: prompts of up to 60 tokens are fed in chunks across forwards
+    # (sharing them with other sessions' blocks); every verdict is the unchunked one.
+    whole = asyncio.run(_rounds(target_model, sampling, vocab_size, True, max_batch_sessions=6, max_forward_rows=512, batch_wait_s=1.0))
+    records: list[ForwardRecord] = []
+    chunked = asyncio.run(
+        _rounds(target_model, sampling, vocab_size, True, records, max_batch_sessions=6, max_forward_rows=8, max_block_rows=7, batch_wait_s=1.0)
+    )
+    assert [v[:2] for v in chunked] == [v[:2] for v in whole]
+    assert [v[3] for v in chunked] == [v[3] for v in whole]  # every chunk's rows counted for its call
+    assert max(record.num_rows for record in records) <= 8
+    assert any(record.num_sessions > 1 for record in records)
+
+
+def test_a_long_prompt_shares_forwards_with_blocks_and_delays_them_by_one_chunk_at_most(target_model, vocab_size):
+    # Four sessions verify blocks round after round while a 200-token prompt arrives: the prompt
+    # is prefilled in chunks inside their forwards; no forward is longer than the row budget and
+    # every block is answered by the first forward after it arrives.
+    rng = random.Random(9)
+    limits = {"max_batch_sessions": 8, "max_forward_rows": 40, "max_block_rows": 9}
+
+    async def run():
+        backend = _backend(target_model, **limits)
+        records: list[ForwardRecord] = []
+        backend.observe_forwards(records.append)
+        contexts = {f"s{index}": random_tokens(rng, 6, vocab_size) for index in range(4)}
+
+        async def one_round() -> int:
+            """Every session verifies a block of 4; returns the forwards run meanwhile."""
+            blocks = [BlockToVerify(s, context, random_tokens(rng, 4, vocab_size), None, GREEDY) for s, context in contexts.items()]
+            forwards_before = len(records)
+            answers = await asyncio.gather(*(backend.verify_block(block) for block in blocks))
+            for block, answer in zip(blocks, answers, strict=True):
+                contexts[block.session_id] = block.context_token_ids + block.draft_token_ids[: answer.num_accepted] + [answer.next_token_id]
+            return len(records) - forwards_before
+
         try:
-            return await _verify_rounds(backend, sampling, vocab_size, concurrently)
+            await one_round()  # the sessions' contexts are cached: each block then feeds 5 rows
+            prompt = asyncio.create_task(backend.verify_block(BlockToVerify("long", random_tokens(rng, 200, vocab_size), [], None, GREEDY)))
+            forwards_per_round = []
+            while not prompt.done():
+                forwards_per_round.append(await one_round())
+            return records, forwards_per_round, await prompt
         finally:
             await backend.aclose()
 
-    alone = asyncio.run(run(1, concurrently=False))
-    batched = asyncio.run(run(6, concurrently=True))
-    assert [v[:2] for v in batched] == [v[:2] for v in alone]
-    assert {v[2] for v in alone} == {1}
-    assert {v[2] for v in batched} == {6}  # every round ran as one forward of all six sessions
+    records, forwards_per_round, verdict = asyncio.run(run())
+    assert verdict.num_target_tokens == 200
+    assert len(forwards_per_round) >= 3  # the blocks kept being answered while the prompt was prefilled
+    assert max(forwards_per_round) <= 2  # each round's blocks: the next forward (one prompt chunk may be running)
+    assert max(record.num_rows for record in records) <= 40
+    assert sum(record.num_sessions == 5 for record in records) >= 3  # chunks shared forwards with all four sessions
 
 
-def _pending(session_id: str) -> PendingCall:
-    return PendingCall(BlockToVerify(session_id, [5], [], None, GREEDY), 0.0, future=None)
+# --- choosing each forward's shares ------------------------------------------------------------------
 
 
-def test_a_batch_takes_the_oldest_calls_and_at_most_one_per_session():
-    queue = [_pending(s) for s in ("a", "b", "a", "c", "d", "b")]
-    batch = take_batch(queue, max_batch_sessions=3)
-    assert [call.block.session_id for call in batch] == ["a", "b", "c"]
-    assert [call.block.session_id for call in queue] == ["a", "d", "b"]  # in arrival order
-    assert [call.block.session_id for call in take_batch(queue, 3)] == ["a", "d", "b"]
+def _call(session_id: str, need: int) -> PendingCall:
+    """A call feeding ``need`` rows (all context, nothing cached)."""
+    return PendingCall(BlockToVerify(session_id, list(range(need)), [], None, GREEDY), 0.0, future=None)
 
 
-def _sized(session_id: str, rows: int) -> PendingCall:
-    """A call whose block feeds ``rows`` rows (all context, nothing cached)."""
-    return PendingCall(BlockToVerify(session_id, list(range(rows)), [], None, GREEDY), 0.0, future=None)
+def _need(call: PendingCall) -> int:
+    return len(call.block.context_token_ids)
 
 
-def _rows(block: BlockToVerify) -> int:
-    return len(block.context_token_ids) + block.num_drafted
+def _planned(queue, **limits) -> list[tuple[str, int]]:
+    return [(call.block.session_id, allowance) for call, allowance in plan_forward(queue, _need, SchedulerLimits(**limits))]
 
 
-def test_a_prompt_is_not_padded_onto_blocks_nor_blocks_onto_a_prompt():
-    queue = [_sized("a", 300), _sized("b", 9), _sized("c", 5), _sized("d", 280), _sized("e", 1)]
-    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["a", "d"]
-    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["b", "c", "e"]
-    assert queue == []
+def test_a_forward_takes_the_oldest_calls_and_at_most_one_per_session():
+    queue = [_call(s, 1) for s in ("a", "b", "a", "c", "d", "b")]
+    assert _planned(queue, max_batch_sessions=3) == [("a", 1), ("b", 1), ("c", 1)]
+    assert _planned(queue, max_batch_sessions=8) == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
 
 
-def test_a_call_left_out_opens_the_next_batch():
-    queue = [_sized("a", 9), _sized("b", 300), _sized("c", 9)]
-    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["a", "c"]
-    queue.append(_sized("a", 9))  # a's next call arrives before b has run
-    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["b"]
-    assert [call.block.session_id for call in take_batch(queue, 8, _rows)] == ["a"]
+def test_blocks_go_first_and_a_long_prompt_gets_the_rest_of_the_row_budget_as_a_chunk():
+    queue = [_call("p", 300), _call("a", 9), _call("b", 9), _call("q", 200)]
+    assert _planned(queue, max_forward_rows=64, max_block_rows=9) == [("a", 9), ("b", 9), ("p", 46)]
+    # With little room, MIN_CHUNK_ROWS are kept for the prompt: only the first block runs beside it.
+    assert _planned(queue, max_forward_rows=MIN_CHUNK_ROWS, max_block_rows=9) == [("a", 9), ("p", MIN_CHUNK_ROWS - 9)]
+    assert _planned(queue, max_forward_rows=MIN_CHUNK_ROWS + 9, max_block_rows=9) == [("a", 9), ("p", MIN_CHUNK_ROWS)]
 
 
-@pytest.mark.parametrize(
-    "rows,fits",
-    [
-        ([9, 9, 9], True),
-        ([9, 1], True),
-        ([1] * 7 + [MAX_PAD_ROWS + 1], False),
-        ([9] * 7 + [13], True),
-        ([300, 9], False),
-        ([300, 280], True),
-    ],
-)
-def test_padding_fits_within_max_of_the_constant_and_half_the_real_rows(rows, fits):
-    assert padding_fits(rows) is fits
+def test_the_first_block_runs_even_past_the_row_budget():
+    assert _planned([_call("a", 30), _call("b", 5)], max_forward_rows=8, max_block_rows=40) == [("a", 30)]
 
 
-def test_batch_sizes_and_queue_times_are_on_metrics_and_in_timings(tiny_pair, vocab_size):
-    rng = random.Random(3)
-    with running_client(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=0.0)) as client:
-        context = random_tokens(rng, 8, vocab_size)
-        answer = verify(client, verify_body(new_session_id(), [], random_tokens(rng, 3, vocab_size), new_tokens=context))
-        metrics = client.get("/metrics").text
-    assert answer["timings"]["queue_ms"] >= 0.0
-    assert "spade_verifier_batch_sessions_count 1.0" in metrics
-    assert "spade_verifier_queue_seconds_count 1.0" in metrics
-    assert committed_after(context, [], answer)[:8] == context
-
-
-# A session that ends, or a caller that leaves, while its call waits for a batch ---------------
+# --- sessions that leave mid-batch ---------------------------------------------------------------------
 
 WAIT_FOR_COMPANY_S = 0.5
 """Long enough that a lone call is still waiting for company when the test acts on it."""
 
 
-async def _queued_then(backend: TransformersBackend, act) -> tuple[BaseException | None, BlockVerdict]:
+async def _queued_then(backend: TransformersBackend, act):
     """Queue a call of session "left", ``act`` on it while it waits, then verify session "next";
     returns what the "left" caller got and "next"'s verdict."""
     waiting = asyncio.create_task(backend.verify_block(BlockToVerify("left", [5, 6, 7], [8], None, GREEDY)))
@@ -234,39 +315,125 @@ async def _queued_then(backend: TransformersBackend, act) -> tuple[BaseException
     return outcome if isinstance(outcome, BaseException) else None, next_verdict
 
 
-def _batching_backend(target_model) -> TransformersBackend:
-    backend = TransformersBackend(target_model)
-    backend.enable_batching(4, batch_wait_s=WAIT_FOR_COMPANY_S)
-    return backend
-
-
-def test_a_session_released_while_its_call_waits_is_answered_and_keeps_no_cache(target_model):
-    # The session is released (the edge ended it, or the registry evicted it) while its call
-    # sits in the gatherer: the call is still answered, but must not store a cache nobody frees.
+def _left_behind(target_model, act):
     async def run():
-        backend = _batching_backend(target_model)
+        backend = _backend(target_model, max_batch_sessions=4, batch_wait_s=WAIT_FOR_COMPANY_S)
         try:
-            error, next_verdict = await _queued_then(backend, lambda task: backend.release_session("left"))
+            error, next_verdict = await _queued_then(backend, lambda task: act(backend, task))
             return error, next_verdict, backend.num_cached_sessions
         finally:
             await backend.aclose()
 
-    error, next_verdict, num_cached = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_session_released_while_its_call_waits_is_answered_and_keeps_no_cache(target_model):
+    # The session is released (the edge ended it, or the registry evicted it) while its call
+    # waits: the call is still answered, but must not store a cache nobody frees.
+    error, next_verdict, num_cached = _left_behind(target_model, lambda backend, task: backend.release_session("left"))
     assert error is None
     assert next_verdict.num_batched == 2  # the released call ran, in the same forward
     assert num_cached == 1  # "next" only
 
 
 def test_a_call_whose_caller_left_costs_no_forward(target_model):
-    async def run():
-        backend = _batching_backend(target_model)
-        try:
-            error, next_verdict = await _queued_then(backend, lambda task: task.cancel())
-            return error, next_verdict, backend.num_cached_sessions
-        finally:
-            await backend.aclose()
-
-    error, next_verdict, num_cached = asyncio.run(run())
+    error, next_verdict, num_cached = _left_behind(target_model, lambda backend, task: task.cancel())
     assert isinstance(error, asyncio.CancelledError)
     assert next_verdict.num_batched == 1
     assert num_cached == 1
+
+
+def test_a_session_released_mid_prefill_frees_its_cache(target_model, vocab_size):
+    async def run():
+        backend = _backend(target_model, max_forward_rows=16, max_block_rows=4)
+        try:
+            prompt = asyncio.create_task(backend.verify_block(BlockToVerify("long", random_tokens(random.Random(5), 120, vocab_size), [], None, GREEDY)))
+            await asyncio.sleep(0.05)
+            prompt.cancel()
+            backend.release_session("long")
+            await asyncio.gather(prompt, return_exceptions=True)
+            await backend.verify_block(BlockToVerify("next", [9, 10], [11], None, GREEDY))
+            return backend.num_cached_sessions
+        finally:
+            await backend.aclose()
+
+    assert asyncio.run(run()) == 1  # "next" only
+
+
+# --- holding a forward for sessions due soon -----------------------------------------------------------
+
+
+class SlowRunner:
+    """A stand-in for the model runner: every forward takes ``forward_s`` (sleeping, not
+    computing) and answers each call with a bonus token; it records each forward's sessions."""
+
+    def __init__(self, forward_s: float) -> None:
+        self.forward_s = forward_s
+        self.sessions_per_forward: list[int] = []
+
+    def cached_length(self, block: BlockToVerify) -> int:
+        return len(block.context_token_ids) - 1
+
+    def run(self, shares: list[Share]):
+        from spade_core.acceptance import Acceptance
+        from verifier_service.backends.transformers.runner import ShareResult
+
+        time.sleep(self.forward_s)
+        self.sessions_per_forward.append(len(shares))
+        results = [ShareResult(1 + share.block.num_drafted, Acceptance(share.block.num_drafted, 0, True)) for share in shares]
+        return results, ForwardRecord(len(shares), len(shares) * 2 + len(self.sessions_per_forward) % 3, self.forward_s)
+
+
+def _alternating_edges(hold_fraction: float) -> list[int]:
+    """Two edges, each calling again 30 ms after its answer (their first calls 60 ms apart),
+    against forwards of 150 ms; returns the sessions of each forward."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    async def edge(scheduler, session_id: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        for _ in range(8):
+            await scheduler.submit(BlockToVerify(session_id, [1, 2], [3], None, GREEDY), time.perf_counter())
+            await asyncio.sleep(0.03)
+
+    async def run() -> list[int]:
+        runner = SlowRunner(0.15)
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(runner, executor, SchedulerLimits(max_batch_sessions=4, hold_fraction=hold_fraction))
+            await asyncio.gather(edge(scheduler, "a", 0.0), edge(scheduler, "b", 0.06))
+            await scheduler.aclose()
+        return runner.sessions_per_forward
+
+    return asyncio.run(run())
+
+
+def test_holding_a_forward_lets_two_edges_share_their_forwards():
+    # Without holding, each edge's call arrives while the other's forward runs: they alternate,
+    # one session per forward. Holding up to half a forward for a session due within it merges
+    # them after the first rounds.
+    alternating = _alternating_edges(hold_fraction=0.0)
+    held = _alternating_edges(hold_fraction=0.5)
+    assert sum(held) == sum(alternating) == 16
+    assert alternating.count(2) <= 2
+    # Once both edges' gaps are learnt (three forwards), every forward serves both, until the
+    # edge that started first makes its last call alone.
+    assert held.count(2) >= 5
+
+
+# --- the service: metrics and timings -------------------------------------------------------------------
+
+
+def test_forwards_and_their_sessions_are_on_metrics_and_in_timings(tiny_pair, vocab_size):
+    rng = random.Random(3)
+    with running_client(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=0.0)) as client:
+        context = random_tokens(rng, 8, vocab_size)
+        answer = verify(client, verify_body(new_session_id(), [], random_tokens(rng, 3, vocab_size), new_tokens=context))
+        metrics = client.get("/metrics").text
+    assert answer["timings"]["queue_ms"] >= 0.0
+    assert "spade_verifier_batch_sessions_count 1.0" in metrics
+    assert "spade_verifier_forward_sessions_count 1.0" in metrics
+    assert "spade_verifier_model_forwards_total 1.0" in metrics
+    assert "spade_verifier_model_forward_rows_total 11.0" in metrics  # 8 context + 3 drafted
+    assert "spade_verifier_queue_seconds_count 1.0" in metrics
+    assert committed_after(context, [], answer)[:8] == context

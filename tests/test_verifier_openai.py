@@ -330,6 +330,10 @@ VERIFIER_COUNTERS = [
     "drafted_tokens",
     "accepted_tokens",
     "generated_tokens",
+    "model_forwards",
+    "model_forward_rows",
+    "cut_blocks",
+    "cut_tokens",
 ]
 
 

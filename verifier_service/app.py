@@ -63,6 +63,7 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     except Exception:
         logger.exception("loading the target model failed")
         raise
+    backend.observe_forwards(app.state.metrics.observe_model_forward)
     sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings))
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics)
     app.state.engine = TargetOnlyEngine(backend, app.state.metrics)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from verifier_service.backends.base import BlockVerdict
+from verifier_service.backends.base import BlockVerdict, ForwardRecord
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ADVICE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -57,6 +58,30 @@ class VerifierMetrics:
             registry=self.registry,
         )
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
+        self.model_forwards = Counter(
+            "spade_verifier_model_forwards",
+            "Model forwards run (one per forward, however many sessions and calls share it; prefill chunks included)",
+            registry=self.registry,
+        )
+        self.model_forward_rows = Counter(
+            "spade_verifier_model_forward_rows", "Rows (tokens) fed to the model over all forwards", registry=self.registry
+        )
+        self.forward_sessions = Histogram(
+            "spade_verifier_forward_sessions",
+            "Sessions sharing each model forward (per forward, not per call)",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.advised_draft_length = Histogram(
+            "spade_verifier_advised_draft_length",
+            "The draft length each answer advised its session (the --max-draft-length while the target has idle time)",
+            buckets=ADVICE_BUCKETS,
+            registry=self.registry,
+        )
+        self.cut_blocks = Counter(
+            "spade_verifier_cut_blocks", "Blocks longer than their session's advice, cut to it before verification", registry=self.registry
+        )
+        self.cut_tokens = Counter("spade_verifier_cut_tokens", "Drafted tokens cut off blocks longer than the advice", registry=self.registry)
         self.forward_seconds_by_block = Histogram(
             "spade_verifier_forward_seconds_by_block",
             "The model call alone per forward, by draft length (0 = a target-only step; 17+ pooled; "
@@ -77,8 +102,15 @@ class VerifierMetrics:
         if verdict.model_s is not None and verdict.num_batched == 1:
             self.forward_seconds_by_block.labels(block_label(num_drafted, verdict.num_target_tokens)).observe(verdict.model_s)
 
-    def observe_verify(self, num_drafted: int, verdict: BlockVerdict) -> None:
+    def observe_model_forward(self, record: ForwardRecord) -> None:
+        """One model forward (the transformers backend reports each; vLLM's are its own)."""
+        self.model_forwards.inc()
+        self.model_forward_rows.inc(record.num_rows)
+        self.forward_sessions.observe(record.num_sessions)
+
+    def observe_verify(self, num_drafted: int, verdict: BlockVerdict, advice: int) -> None:
         self.observe_forward(verdict, num_drafted)
+        self.advised_draft_length.observe(advice)
         self.verify_calls.inc()
         self.drafted_tokens.inc(num_drafted)
         self.accepted_tokens.inc(verdict.num_accepted)

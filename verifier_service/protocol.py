@@ -161,6 +161,12 @@ class VerifyResponse(BaseModel):
     )
     context_length: int = Field(description="Committed length after this call (context + accepted + next).")
     num_target_tokens: int = Field(description="Tokens in the target's forward pass for this call.")
+    advised_draft_length: int = Field(
+        ge=1,
+        description="The longest block the verifier wants next from this session, from its load (its --max-draft-length "
+        "while it has idle time). The edge drafts no further; a longer block is cut to it before it is verified (exact: "
+        "a prefix of a block is verified as if only the prefix had been drafted).",
+    )
     timings: VerifyTimings
     replayed: bool = Field(default=False, description="True when this answers a retried call from memory.")
 

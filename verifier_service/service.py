@@ -58,20 +58,34 @@ class VerifierService:
                 return session.last_response.model_copy(update={"replayed": True})
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
-            block = BlockToVerify(
-                request.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs
-            )
-            self._release(self.sessions.reserve(session, len(context) + len(request.draft_tokens)))
+            draft_tokens, draft_probs = self._cut_to_advice(session, request.draft_tokens, draft_probs)
+            block = BlockToVerify(request.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs)
+            self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)))
             try:
                 verdict = await self.backend.verify_block(block)
             finally:
                 session.reserved_tokens = 0
-            response = self._response(request, len(context), verdict, received_at)
-            emitted = request.draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
+            advice = self.backend.advised_draft_length(request.session_id) or self.limits.max_draft_length
+            response = self._response(request, len(context), verdict, received_at, advice)
+            emitted = draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             session.commit(context + emitted, fingerprint, response)
-        self.metrics.observe_verify(len(request.draft_tokens), verdict)
+            session.advised_draft_length = advice
+        self.metrics.observe_verify(len(draft_tokens), verdict, advice)
         self._evict(keep=request.session_id)
         return response
+
+    def _cut_to_advice(
+        self, session: Session, draft_tokens: list[int], draft_probs: torch.Tensor | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """A block longer than the session's last advice loses its tail: verifying a prefix of a
+        block is exact (the verdict is the one a block of that length would get), so an edge that
+        ignores the advice is served exactly but cannot make everyone's forwards longer."""
+        advice = session.advised_draft_length
+        if advice is None or len(draft_tokens) <= advice:
+            return draft_tokens, draft_probs
+        self.metrics.cut_blocks.inc()
+        self.metrics.cut_tokens.inc(len(draft_tokens) - advice)
+        return draft_tokens[:advice], None if draft_probs is None else draft_probs[:advice]
 
     def end_session(self, session_id: str) -> SessionDeleted:
         deleted = self.sessions.remove(session_id)
@@ -149,7 +163,9 @@ class VerifierService:
             code=SESSION_RESYNC_CODE,
         )
 
-    def _response(self, request: VerifyRequest, context_length: int, verdict: BlockVerdict, received_at: float) -> VerifyResponse:
+    def _response(
+        self, request: VerifyRequest, context_length: int, verdict: BlockVerdict, received_at: float, advice: int
+    ) -> VerifyResponse:
         return VerifyResponse(
             session_id=request.session_id,
             num_accepted=verdict.num_accepted,
@@ -165,6 +181,7 @@ class VerifierService:
             ],
             context_length=context_length + verdict.num_accepted + 1,
             num_target_tokens=verdict.num_target_tokens,
+            advised_draft_length=advice,
             timings=VerifyTimings(
                 queue_ms=verdict.queue_s * 1e3,
                 forward_ms=verdict.forward_s * 1e3,

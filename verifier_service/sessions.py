@@ -31,6 +31,8 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     reserved_tokens: int = 0
     """Tokens the call in flight will hold in the cache (its context + block), while it runs."""
+    advised_draft_length: int | None = None
+    """What the last answer advised: a longer next block is cut to it."""
 
     @property
     def num_cached_tokens(self) -> int:

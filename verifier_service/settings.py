@@ -10,6 +10,7 @@ from pydantic_settings import SettingsConfigDict
 from gateway.settings import ServiceSettings
 
 if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and must not
+    from verifier_service.backends.transformers.scheduler import SchedulerLimits
     from verifier_service.service import VerifyLimits
     from verifier_service.sessions import SessionLimits
 
@@ -47,11 +48,26 @@ class VerifierSettings(ServiceSettings):
             "--backend transformers: most sessions whose verify calls (or target-only steps) share one forward; 1 = one call at a time."
         ),
     )
-    batch_wait_ms: float = Field(
-        2.0,
-        ge=0,
+    max_forward_rows: int = Field(
+        128,
+        ge=1,
         description=(
-            "--backend transformers, --max-batch-sessions > 1: longest wait for more sessions before a batch runs while the target is idle."
+            "--backend transformers: most rows (tokens fed) in one forward; a longer prompt is prefilled in chunks that share"
+            " forwards with other sessions' blocks, so no block waits behind a whole prompt."
+        ),
+    )
+    batch_wait_ms: float = Field(
+        0.0,
+        ge=0,
+        description="--backend transformers: shortest wait for more sessions before a forward runs while the target is idle.",
+    )
+    batch_hold_fraction: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description=(
+            "--backend transformers: a forward waits up to this fraction of its expected time for a session whose next call"
+            " is due within it (learnt per session), so many edges' calls share forwards; 0 = never hold."
         ),
     )
     fast_kernels: bool = Field(
@@ -84,6 +100,18 @@ class VerifierSettings(ServiceSettings):
         from verifier_service.sessions import SessionLimits
 
         return SessionLimits(self.max_sessions, self.max_session_tokens, self.session_ttl_s)
+
+    def scheduler_limits(self) -> SchedulerLimits:
+        from verifier_service.backends.transformers.scheduler import SchedulerLimits
+
+        return SchedulerLimits(
+            max_batch_sessions=self.max_batch_sessions,
+            max_forward_rows=self.max_forward_rows,
+            max_block_rows=self.max_draft_length + 1,
+            batch_wait_s=self.batch_wait_ms / 1000.0,
+            hold_fraction=self.batch_hold_fraction,
+            max_draft_length=self.max_draft_length,
+        )
 
     def verify_limits(self) -> VerifyLimits:
         from verifier_service.service import VerifyLimits

@@ -36,7 +36,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
         )
     else:
         from spade_models.loader import load_model
-        from verifier_service.backends.transformers_backend import TransformersBackend
+        from verifier_service.backends.transformers.backend import TransformersBackend
 
         loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
         # In a thread too: the CPU kernels may be compiled here (a C compile, once per machine).
@@ -48,8 +48,6 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
             fast_kernels=settings.fast_kernels,
             batch_invariant=settings.batch_invariant,
         )
-        # A row's logits may not depend on other sessions' rows either: one session per forward.
-        max_batch_sessions = 1 if settings.batch_invariant else settings.max_batch_sessions
-        transformers_backend.enable_batching(max_batch_sessions, settings.batch_wait_ms / 1000.0)
+        transformers_backend.configure(settings.scheduler_limits())
         backend = transformers_backend
     return backend

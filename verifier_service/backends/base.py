@@ -15,6 +15,7 @@ first verify call of a generation carries the prompt alone.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,18 @@ class BlockVerdict:
     """With ``num_top_logprobs``: per emitted token, that many most likely alternatives."""
 
 
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One model forward: how many sessions and rows shared it, and the model call's time."""
+
+    num_sessions: int
+    num_rows: int
+    model_s: float
+
+
+ForwardObserver = Callable[[ForwardRecord], None]
+
+
 class VerifierBackend(abc.ABC):
     """One target model behind the verify contract."""
 
@@ -94,6 +107,15 @@ class VerifierBackend(abc.ABC):
     @abc.abstractmethod
     def release_session(self, session_id: str) -> None:
         """Drop whatever the backend caches for the session (idempotent)."""
+
+    def observe_forwards(self, observer: ForwardObserver) -> None:  # noqa: B027 -- optional
+        """Call ``observer`` after every model forward (the service's metrics); a backend whose
+        forwards are not its own to count (vLLM) keeps this no-op."""
+
+    def advised_draft_length(self, session_id: str) -> int | None:
+        """The longest block this session should draft next, from the backend's load; None: the
+        backend advises nothing (the verifier's ``--max-draft-length`` bounds the block)."""
+        return None
 
     async def aclose(self) -> None:  # noqa: B027 -- optional: a backend holding nothing to free keeps this
         """Free the model and worker threads."""

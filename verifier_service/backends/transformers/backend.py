@@ -1,0 +1,106 @@
+"""The reference verifier backend: any causal LM transformers loads, on CPU, CUDA or MPS.
+
+Three parts, each with one job (after nano-vllm's engine / scheduler / model runner):
+``TransformersBackend`` (this module) is the contract's face: it loads, describes the model and
+hands calls to the ``Scheduler``, which decides what shares each forward (several sessions'
+blocks, chunks of long prompts) and what each session is advised to draft next; the
+``ModelRunner`` owns the model and every session's KV cache and runs one ragged forward over
+the rows it is handed (``ragged``: no padding, no copies of a cache). Per session the KV cache
+covers the committed context (and accepted drafts), so a verify call normally feeds only the
+previous next token plus its block; rejected drafts are cropped off.
+
+Forwards run on one worker thread, off the event loop, one at a time. Cache maintenance runs on
+that thread too, so a session is never released while its forward is in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from gateway.model import ModelDescription
+from spade_models.loader import LoadedModel, tokenizer_fingerprint
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, VerifierBackend
+from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
+from verifier_service.backends.transformers.runner import ModelRunner
+from verifier_service.backends.transformers.scheduler import Scheduler, SchedulerLimits
+from verifier_service.kv_budget import kv_bytes_per_token
+
+
+class TransformersBackend(VerifierBackend):
+    """The target model in transformers, verifying the blocks of many sessions in shared
+    forwards; the CPU kernels (``cpu_kernels``) make its linear layers read each weight once per
+    forward, and ``batch_invariant`` makes each row's logits independent of what shares it."""
+
+    name = "transformers"
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_context_length: int | None = None,
+        *,
+        served_model_name: str | None = None,
+        fast_kernels: bool = False,
+        batch_invariant: bool = False,
+    ) -> None:
+        """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
+        model is patched in place, and the target-only route runs the same patched model)."""
+        self._tokenizer = loaded.tokenizer
+        self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
+        native_context_length: int = getattr(loaded.model.config, "max_position_embeddings", 4096)
+        self._description = ModelDescription(
+            model_id=served_model_name or loaded.model_id,
+            vocab_size=loaded.model.get_output_embeddings().weight.shape[0],
+            max_context_length=max_context_length or native_context_length,
+            eos_token_ids=loaded.eos_token_ids,
+            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
+        )
+        self._config = loaded.model.config
+        self._dtype = loaded.model.dtype
+        self._runner = ModelRunner(loaded.model, torch.device(loaded.device), batch_invariant=batch_invariant)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
+        self._scheduler = Scheduler(self._runner, self._executor, SchedulerLimits(max_batch_sessions=1))
+
+    def configure(self, limits: SchedulerLimits) -> None:
+        """How forwards are shared (sessions, rows, holding) and the advice's bound."""
+        self._scheduler.limits = limits
+
+    def observe_forwards(self, observer: ForwardObserver) -> None:
+        self._scheduler.observe_forward = observer
+
+    @property
+    def model(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def num_cached_sessions(self) -> int:
+        return self._runner.num_cached_sessions
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes per token, for the session registry's KV budget."""
+        return kv_bytes_per_token(self._config, self._dtype)
+
+    def advised_draft_length(self, session_id: str) -> int | None:
+        return self._scheduler.advice_for(session_id)
+
+    async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
+        return await self._scheduler.submit(block, time.perf_counter())
+
+    def release_session(self, session_id: str) -> None:
+        """Free the session's cache after any forward already submitted for it (same worker
+        thread); a call of the session still waiting keeps no cache when it runs."""
+        self._scheduler.forget_session(session_id)
+        self._executor.submit(self._runner.release, session_id)
+
+    async def aclose(self) -> None:
+        await self._scheduler.aclose()
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._runner.clear()
+

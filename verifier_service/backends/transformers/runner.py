@@ -1,0 +1,175 @@
+"""The transformers backend's runner: it owns the model and every session's KV cache, and runs
+one forward over whatever share of work the scheduler hands it.
+
+The scheduler decides what runs (which calls, how many rows each may feed); the runner decides
+nothing, it executes: per call, the rows its session's cache lacks, cut to the call's row
+allowance. A call whose uncached context exceeds the allowance is prefilled a chunk at a time
+(``Share.chunked``): its chunk's rows share the forward with others' blocks and score nothing;
+the call is answered by the forward that feeds its last context token and its drafted block
+(the block's d + 1 scored rows). Caches stay per session and grow in place (``ragged``).
+
+Everything here runs on the backend's one worker thread: no lock, no other thread touches a
+cache. Acceptance and logprobs (``conclude``) follow each answered call's forward.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gateway.engine import TopLogprobs
+from spade_core.acceptance import Acceptance, accept_block
+from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
+from spade_models.kv_cache import TokenCache
+from verifier_service.backends.base import BlockToVerify, ForwardRecord
+from verifier_service.backends.growing_cache import growing_cache
+from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
+
+
+@dataclass
+class Share:
+    """One call's part in one forward, as the scheduler hands it to the runner."""
+
+    block: BlockToVerify
+    max_rows: int
+    """Rows this call may feed in this forward (its chunk of a long prompt, or all it needs)."""
+    keep_cache: bool = True
+    """False once the session was released while the call waited: answer it, keep no cache."""
+
+
+@dataclass(frozen=True)
+class ShareResult:
+    """What one forward did for one call: a prefill chunk (``acceptance`` None: the call waits
+    for its next share) or the call's answer."""
+
+    num_rows: int
+    acceptance: Acceptance | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+
+
+@dataclass
+class FedRows:
+    """A share's rows in the forward: the tokens fed and how many of the last are scored."""
+
+    token_ids: list[int]
+    first_position: int
+    num_scored: int
+
+
+class ModelRunner:
+    """The target model, the sessions' caches, and the ragged forward over several sessions."""
+
+    def __init__(self, model, device: torch.device, *, batch_invariant: bool) -> None:
+        register_ragged_attention()
+        self.model = model
+        self.device = device
+        self.batch_invariant = batch_invariant
+        self._caches: dict[str, TokenCache] = {}
+
+    @property
+    def num_cached_sessions(self) -> int:
+        return len(self._caches)
+
+    def release(self, session_id: str) -> None:
+        self._caches.pop(session_id, None)
+
+    def clear(self) -> None:
+        self._caches.clear()
+
+    def cached_length(self, block: BlockToVerify) -> int:
+        """Context tokens the session's cache can keep for this call (read by the scheduler on
+        the event loop: an estimate, exact unless a forward changes the cache meanwhile)."""
+        entry = self._caches.get(block.session_id)
+        return 0 if entry is None else entry.reusable_length(block.context_token_ids)
+
+    def run(self, shares: list[Share]) -> tuple[list[ShareResult], ForwardRecord]:
+        """One forward over every share's rows; then acceptance for the calls it answers."""
+        entries = [self._caches.pop(share.block.session_id, None) or self._new_cache() for share in shares]
+        fed = [rows_to_feed(entry, share) for entry, share in zip(entries, shares, strict=True)]
+        started = time.perf_counter()
+        logits = self._forward(entries, fed)
+        record = ForwardRecord(len(shares), sum(len(rows.token_ids) for rows in fed), time.perf_counter() - started)
+        results = []
+        for entry, share, rows, share_logits in zip(entries, shares, fed, logits, strict=True):
+            results.append(self._conclude(entry, share, rows, share_logits))
+        return results, record
+
+    def _new_cache(self) -> TokenCache:
+        """A cache that appends in place (``growing_cache``): a forward writes only its rows."""
+        return TokenCache(growing_cache(self.model.config))
+
+    def _forward(self, entries: list[TokenCache], fed: list[FedRows]) -> list[torch.Tensor]:
+        """The ragged forward; per share, the logits of its scored rows [k_i, vocab]."""
+        segments, scored, start = [], [], 0
+        for rows in fed:
+            end = start + len(rows.token_ids)
+            segments.append((start, end))
+            scored.extend(range(end - rows.num_scored, end))
+            start = end
+        ragged_cache = RaggedCache([entry.cache for entry in entries], segments, self.batch_invariant)
+        positions = [rows.first_position for rows in fed]
+        logits = ragged_forward(self.model, ragged_cache, [rows.token_ids for rows in fed], positions, scored)
+        per_share, offset = [], 0
+        for rows in fed:
+            per_share.append(logits[offset : offset + rows.num_scored])
+            offset += rows.num_scored
+        return per_share
+
+    def _conclude(self, entry: TokenCache, share: Share, rows: FedRows, logits: torch.Tensor) -> ShareResult:
+        """A chunk: the cache now covers more of the context. An answer: acceptance over the
+        block's logits [d + 1, vocab]; the cache keeps the context and the accepted drafts."""
+        block = share.block
+        if rows.num_scored == 0:
+            entry.token_ids = block.context_token_ids[: len(entry.token_ids) + len(rows.token_ids)]
+            self._keep(entry, share)
+            return ShareResult(len(rows.token_ids))
+        acceptance = accept(block, logits, self.device)
+        entry.token_ids = block.context_token_ids + block.draft_token_ids
+        entry.crop_to(len(block.context_token_ids) + acceptance.num_accepted)
+        self._keep(entry, share)
+        emitted = block.draft_token_ids[: acceptance.num_accepted] + [acceptance.next_token_id]
+        logprobs, top_logprobs = asked_logprobs(logits, emitted, block)
+        return ShareResult(len(rows.token_ids), acceptance, logprobs, top_logprobs)
+
+    def _keep(self, entry: TokenCache, share: Share) -> None:
+        if share.keep_cache:
+            self._caches[share.block.session_id] = entry
+
+
+def rows_to_feed(entry: TokenCache, share: Share) -> FedRows:
+    """The rows a share feeds: the context the cache lacks and the block, when they fit its
+    allowance; else a chunk of the context (never its last token: the answering forward needs
+    that row's logits to score the first drafted token). Crops the cache to what it can keep.
+
+    Example: 1,000-token prompt, nothing cached, a block of 4, allowance 256 -> chunks of 256,
+    256, 256, then the last 232 context tokens + 4 drafted (236 rows, 5 scored)."""
+    block = share.block
+    context = block.context_token_ids
+    uncached = entry.reuse_for(context)
+    first_position = len(entry.token_ids)
+    if len(uncached) + block.num_drafted <= share.max_rows or len(uncached) <= 1:
+        return FedRows(uncached + block.draft_token_ids, first_position, block.num_drafted + 1)
+    chunk = max(1, min(share.max_rows, len(uncached) - 1))  # len(uncached) >= 2 here
+    return FedRows(uncached[:chunk], first_position, 0)
+
+
+def accept(block: BlockToVerify, logits: torch.Tensor, device: torch.device) -> Acceptance:
+    """The acceptance rule over the block's rows of target logits [d + 1, vocab]."""
+    target_probs = processed_probs(logits, block.sampling)  # [d + 1, vocab]
+    uniforms = position_uniforms(block.sampling.seed, block.first_draft_position, block.num_drafted + 1)
+    draft_ids = torch.tensor(block.draft_token_ids, dtype=torch.long)
+    draft_probs = None if block.draft_probs is None else block.draft_probs.to(device)
+    return accept_block(draft_ids, draft_probs, target_probs, uniforms)
+
+
+def asked_logprobs(logits: torch.Tensor, emitted: list[int], block: BlockToVerify) -> tuple[list[float] | None, list[TopLogprobs] | None]:
+    """The emitted tokens' logprobs and alternatives from their rows of the block's logits
+    [d + 1, vocab], or (None, None) when the block did not ask: no log-softmax then."""
+    if block.num_top_logprobs is None:
+        return None, None
+    rows = reported_logprobs(logits[: len(emitted)], block.sampling)
+    return emitted_logprobs(rows, emitted, block.num_top_logprobs)
+

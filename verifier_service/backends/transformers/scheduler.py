@@ -1,0 +1,320 @@
+"""The transformers backend's scheduler: which calls share the next forward, how many rows each
+may feed, when a forward waits for company, and what each session is advised to draft next.
+
+Glossary:
+    pending     a verify call (or a target-only step) waiting for the target
+    need        the rows a call still has to feed: its uncached context + its drafted block
+    small call  a call whose need fits one block (at most ``max_block_rows``): a steady-state
+                verify call, a target-only step, a short prompt
+    big call    a long prompt (or a resync) whose need is larger: it is prefilled in chunks
+    forward     one model call over every share's rows (``runner``), at most
+                ``max_forward_rows`` rows and ``max_batch_sessions`` sessions
+
+Each forward takes, in arrival order, every small call that fits (a session never has two calls
+in one forward), then gives what is left of the row budget to the oldest big calls as chunks;
+while a big call waits, ``MIN_CHUNK_ROWS`` of the budget are kept for it, so a long prompt always
+progresses and no block ever waits behind a whole prompt: at most behind one forward of
+``max_forward_rows`` rows. A call whose caller went away is dropped before it costs a row.
+
+Holding (forwards that serve many sessions): the scheduler learns each session's gap between
+its answer and its next call. When a forward is about to start and a session not yet queued is
+due within ``hold_fraction`` of the forward's expected time, the forward waits for it (at most
+that long): N edges' calls then meet in one forward instead of alternating.
+
+Advice: after each forward, every answered call's session gets ``advice.advised_lengths`` for
+its next block (the verifier's limit while the target is not saturated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, ForwardRecord
+from verifier_service.backends.transformers.advice import (
+    SATURATION,
+    AcceptanceRate,
+    BusyFraction,
+    ForwardCost,
+    advised_lengths,
+)
+from verifier_service.backends.transformers.runner import ModelRunner, Share, ShareResult
+
+MIN_CHUNK_ROWS = 16
+"""Rows of every forward kept for the oldest big call while one waits."""
+ACTIVE_S = 10.0
+"""A session answered this recently, and not known to have ended, counts as active."""
+GAP_DECAY = 0.7
+"""Weight of the earlier gaps in a session's expected gap between answer and next call."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_batch_sessions: int = 8
+    """Most sessions sharing one forward."""
+    max_forward_rows: int = 128
+    """Most rows in one forward: the prefill chunk size (a prompt's chunk shares it with blocks)."""
+    max_block_rows: int = 65
+    """The largest need treated as one block (the verifier's longest draft + 1)."""
+    batch_wait_s: float = 0.0
+    """While the target is idle, how long the oldest call waits for company at least."""
+    hold_fraction: float = 0.25
+    """A forward waits up to this fraction of its expected time for a session due within it."""
+    max_draft_length: int = 64
+    """The verifier's longest draft: the advice never exceeds it."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_sessions < 1 or self.max_forward_rows < 1 or self.max_block_rows < 1:
+            raise ValueError("scheduler limits must be positive")
+        if self.batch_wait_s < 0 or not 0 <= self.hold_fraction <= 1:
+            raise ValueError("batch_wait_s must be >= 0 and hold_fraction within [0, 1]")
+
+
+@dataclass
+class PendingCall:
+    block: BlockToVerify
+    queued_at: float
+    future: asyncio.Future = field(repr=False)
+    keep_cache: bool = True
+    """False once the session was released while this call waited: answered, no cache kept."""
+    rows_fed: int = 0
+    """Rows its earlier prefill chunks fed."""
+
+
+def plan_forward(queue: list[PendingCall], need_of: Callable[[PendingCall], int], limits: SchedulerLimits) -> list[tuple[PendingCall, int]]:
+    """The next forward's shares, (call, row allowance), in queue order of their selection:
+    small calls first (arrival order, whole, while they fit), then chunks for the big ones."""
+    needs = [need_of(call) for call in queue]
+    waiting_big = any(need > limits.max_block_rows for need in needs)
+    budget = limits.max_forward_rows - (MIN_CHUNK_ROWS if waiting_big else 0)
+    shares: list[tuple[PendingCall, int]] = []
+    sessions: set[str] = set()
+    for call, need in zip(queue, needs, strict=True):
+        is_first = not shares
+        if len(shares) == limits.max_batch_sessions or need > limits.max_block_rows or call.block.session_id in sessions:
+            continue
+        if need <= budget or is_first:
+            shares.append((call, need))
+            sessions.add(call.block.session_id)
+            budget -= need
+    budget += MIN_CHUNK_ROWS if waiting_big else 0
+    for call, need in zip(queue, needs, strict=True):
+        if budget <= 0 or len(shares) == limits.max_batch_sessions:
+            break
+        if need > limits.max_block_rows and call.block.session_id not in sessions:
+            shares.append((call, min(need, budget)))
+            sessions.add(call.block.session_id)
+            budget -= min(need, budget)
+    return shares
+
+
+@dataclass
+class SessionPace:
+    """When a session's next call is due: its last answer and its usual gap until the next call."""
+
+    answered_at: float | None = None
+    gap_s: float | None = None
+    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
+    drafts: bool = False
+    """The session has sent a drafted block (target-only steps never do)."""
+    advice: int | None = None
+
+    def arrived(self, now: float) -> None:
+        if self.answered_at is None:
+            return
+        gap = now - self.answered_at
+        self.gap_s = gap if self.gap_s is None else GAP_DECAY * self.gap_s + (1 - GAP_DECAY) * gap
+        self.answered_at = None
+
+    def due_at(self) -> float | None:
+        if self.answered_at is None or self.gap_s is None:
+            return None
+        return self.answered_at + self.gap_s
+
+
+class Scheduler:
+    """Gathers pending calls into forwards and runs them, one at a time, on ``executor``."""
+
+    def __init__(self, runner: ModelRunner, executor: Executor, limits: SchedulerLimits) -> None:
+        self._runner = runner
+        self._executor = executor
+        self.limits = limits
+        self.observe_forward: ForwardObserver | None = None
+        """Called with every forward (the service's metrics), on the event loop."""
+        self._queue: list[PendingCall] = []
+        self._arrived = asyncio.Event()
+        self._worker: asyncio.Task | None = None
+        self._paces: dict[str, SessionPace] = {}
+        self._cost = ForwardCost()
+        self._busy = BusyFraction()
+
+    async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
+        future = asyncio.get_running_loop().create_future()
+        self._pace(block.session_id).arrived(queued_at)
+        self._queue.append(PendingCall(block, queued_at, future))
+        self._arrived.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._serve())
+        return await future
+
+    def advice_for(self, session_id: str) -> int | None:
+        """The block length this session is advised to draft next (None: no advice yet)."""
+        pace = self._paces.get(session_id)
+        return None if pace is None else pace.advice
+
+    def forget_session(self, session_id: str) -> None:
+        """The session was released: its waiting calls keep no cache; it is no longer awaited."""
+        self._paces.pop(session_id, None)
+        for call in self._queue:
+            if call.block.session_id == session_id:
+                call.keep_cache = False
+
+    async def aclose(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+        for call in self._queue:
+            if not call.future.done():
+                call.future.cancel()
+        self._queue.clear()
+
+    def _pace(self, session_id: str) -> SessionPace:
+        return self._paces.setdefault(session_id, SessionPace())
+
+    def _need(self, call: PendingCall) -> int:
+        context = call.block.context_token_ids
+        return len(context) - self._runner.cached_length(call.block) + call.block.num_drafted
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue:
+            await self._gather()
+            self._queue[:] = [call for call in self._queue if not call.future.done()]  # callers that left cost nothing
+            planned = plan_forward(self._queue, self._need, self.limits)
+            if not planned:
+                continue
+            shares = [Share(call.block, allowance, call.keep_cache) for call, allowance in planned]
+            started = time.perf_counter()
+            try:
+                results, record = await loop.run_in_executor(self._executor, self._runner.run, shares)
+            except Exception as error:  # every caller of the forward gets the error
+                for call, _ in planned:
+                    self._queue.remove(call)
+                    settle(call.future, error=error)
+                continue
+            self._account(record, started, time.perf_counter())
+            self._answer([call for call, _ in planned], results, record, started)
+
+    def _answer(self, calls: list[PendingCall], results: list[ShareResult], record: ForwardRecord, started: float) -> None:
+        """Settle the calls the forward answered; chunked ones stay queued, in place."""
+        answered = []
+        for call, result in zip(calls, results, strict=True):
+            call.rows_fed += result.num_rows
+            if result.acceptance is None:
+                continue
+            self._queue.remove(call)
+            answered.append(call.block.session_id)
+            pace = self._pace(call.block.session_id) if call.keep_cache else SessionPace()
+            pace.acceptance.observe(call.block.num_drafted, result.acceptance.num_accepted)
+            pace.drafts = pace.drafts or call.block.num_drafted > 0
+            pace.answered_at = time.perf_counter()
+            settle(call.future, verdict=verdict_of(call, result, record, started))
+        self._advise(answered)
+
+    def _account(self, record: ForwardRecord, started: float, ended: float) -> None:
+        self._cost.observe(record.num_rows, record.model_s)
+        self._busy.observe(started, ended)
+        if self.observe_forward is not None:
+            self.observe_forward(record)
+
+    def _advise(self, answered: list[str]) -> None:
+        """Each answered session's next block length, from all active sessions' acceptance."""
+        line = self._cost.line()
+        if line is None or self._busy.fraction < SATURATION:
+            for session_id in answered:
+                if session_id in self._paces:
+                    self._paces[session_id].advice = self.limits.max_draft_length
+            return
+        active = [self._paces[session_id] for session_id in self._active_sessions()]
+        alphas = {id(pace): pace.acceptance.alpha for pace in active if pace.drafts}
+        prefill_rows = sum(max(0, self._need(call) - self.limits.max_block_rows) for call in self._queue)
+        # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
+        other_rows = min(prefill_rows, self.limits.max_forward_rows) + sum(not pace.drafts for pace in active)
+        lengths = advised_lengths(alphas, line, other_rows, self.limits.max_draft_length)
+        for session_id in answered:
+            pace = self._paces.get(session_id)
+            if pace is not None:
+                pace.advice = lengths.get(id(pace), self.limits.max_draft_length)
+
+    def _active_sessions(self) -> list[str]:
+        now = time.perf_counter()
+        queued = {call.block.session_id for call in self._queue}
+        recent = [
+            session_id
+            for session_id, pace in self._paces.items()
+            if pace.answered_at is not None and now - pace.answered_at < ACTIVE_S
+        ]
+        return sorted(queued.union(recent) & self._paces.keys())
+
+    async def _gather(self) -> None:
+        """Before a forward: wait for company while the target was idle (``batch_wait_s``), and
+        hold for sessions due within ``hold_fraction`` of the forward's expected time."""
+        wait_until = time.perf_counter() + self.limits.batch_wait_s
+        while len({call.block.session_id for call in self._queue}) < self.limits.max_batch_sessions:
+            remaining = max(wait_until, self._hold_until() or 0.0) - time.perf_counter()
+            if remaining <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def _hold_until(self) -> float | None:
+        """The latest due time of the sessions worth holding the next forward for, or None."""
+        line = self._cost.line()
+        if line is None or self.limits.hold_fraction == 0:
+            return None
+        queued = {call.block.session_id for call in self._queue}
+        rows = sum(min(self._need(call), self.limits.max_forward_rows) for call in self._queue)
+        window = self.limits.hold_fraction * (line[0] + line[1] * rows)
+        now = time.perf_counter()
+        due = [
+            due_at
+            for session_id, pace in self._paces.items()
+            if session_id not in queued and (due_at := pace.due_at()) is not None and now <= due_at <= now + window
+        ]
+        return max(due) if due else None
+
+
+def verdict_of(call: PendingCall, result: ShareResult, record: ForwardRecord, started: float) -> BlockVerdict:
+    """The answered call's verdict: its acceptance, the rows it fed over all its chunks, and
+    where its time went (waiting, including its earlier chunks, then its answering forward)."""
+    acceptance = result.acceptance
+    if acceptance is None:
+        raise ValueError("a prefill chunk has no verdict")
+    now = time.perf_counter()
+    return BlockVerdict(
+        num_accepted=acceptance.num_accepted,
+        next_token_id=acceptance.next_token_id,
+        is_bonus=acceptance.is_bonus,
+        logprobs=result.logprobs,
+        num_target_tokens=call.rows_fed,
+        queue_s=started - call.queued_at,
+        forward_s=now - started,
+        num_batched=record.num_sessions,
+        model_s=record.model_s,
+        top_logprobs=result.top_logprobs,
+    )
+
+
+def settle(future: asyncio.Future, verdict: BlockVerdict | None = None, error: Exception | None = None) -> None:
+    if future.done():  # the caller went away (cancelled); the work is simply dropped
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(verdict)
