@@ -25,7 +25,16 @@ from verifier_service.backends.transformers.backend import TransformersBackend
 from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
 from verifier_service.backends.transformers.runner import ModelRunner, Share
 from verifier_service.backends.transformers.scheduler import MIN_CHUNK_ROWS, PendingCall, SchedulerLimits, plan_forward
-from verifier_support import committed_after, new_session_id, plain_forward_logits, random_tokens, running_client, verifier_app, verify, verify_body
+from verifier_support import (
+    committed_after,
+    new_session_id,
+    plain_forward_logits,
+    random_tokens,
+    running_client,
+    verifier_app,
+    verify,
+    verify_body,
+)
 
 GREEDY = SamplingConfig(temperature=0.0)
 SEEDED = SamplingConfig(temperature=0.8, top_k=0, top_p=1.0, seed=11)
@@ -216,7 +225,9 @@ def test_chunked_prefills_give_the_verdicts_of_whole_ones(target_model, vocab_si
     whole = asyncio.run(_rounds(target_model, sampling, vocab_size, True, max_batch_sessions=6, max_forward_rows=512, batch_wait_s=1.0))
     records: list[ForwardRecord] = []
     chunked = asyncio.run(
-        _rounds(target_model, sampling, vocab_size, True, records, max_batch_sessions=6, max_forward_rows=8, max_block_rows=7, batch_wait_s=1.0)
+        _rounds(
+            target_model, sampling, vocab_size, True, records, max_batch_sessions=6, max_forward_rows=8, max_block_rows=7, batch_wait_s=1.0
+        )
     )
     assert [v[:2] for v in chunked] == [v[:2] for v in whole]
     assert [v[3] for v in chunked] == [v[3] for v in whole]  # every chunk's rows counted for its call
@@ -347,7 +358,9 @@ def test_a_session_released_mid_prefill_frees_its_cache(target_model, vocab_size
     async def run():
         backend = _backend(target_model, max_forward_rows=16, max_block_rows=4)
         try:
-            prompt = asyncio.create_task(backend.verify_block(BlockToVerify("long", random_tokens(random.Random(5), 120, vocab_size), [], None, GREEDY)))
+            prompt = asyncio.create_task(
+                backend.verify_block(BlockToVerify("long", random_tokens(random.Random(5), 120, vocab_size), [], None, GREEDY))
+            )
             await asyncio.sleep(0.05)
             prompt.cancel()
             backend.release_session("long")

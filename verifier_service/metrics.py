@@ -81,7 +81,9 @@ class VerifierMetrics:
         self.cut_blocks = Counter(
             "spade_verifier_cut_blocks", "Blocks longer than their session's advice, cut to it before verification", registry=self.registry
         )
-        self.cut_tokens = Counter("spade_verifier_cut_tokens", "Drafted tokens cut off blocks longer than the advice", registry=self.registry)
+        self.cut_tokens = Counter(
+            "spade_verifier_cut_tokens", "Drafted tokens cut off blocks longer than the advice", registry=self.registry
+        )
         self.forward_seconds_by_block = Histogram(
             "spade_verifier_forward_seconds_by_block",
             "The model call alone per forward, by draft length (0 = a target-only step; 17+ pooled; "

@@ -59,7 +59,9 @@ class VerifierService:
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
             draft_tokens, draft_probs = self._cut_to_advice(session, request.draft_tokens, draft_probs)
-            block = BlockToVerify(request.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs)
+            block = BlockToVerify(
+                request.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs
+            )
             self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)))
             try:
                 verdict = await self.backend.verify_block(block)

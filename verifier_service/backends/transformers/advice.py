@@ -19,7 +19,7 @@ costs its full arithmetic, so the blocks shorten toward target-only's one row pe
 the knee rows are nearly free and the blocks stay long.
 
 Worked example: t(R) = 0.25 + 0.02 R s, two sessions of alpha 0.8 and 0.5: rows go to the first
-session while 0.8^k beats the rate's break-even, so it gets d = 6 and the second d = 2.
+session while 0.8^k beats the rate's break-even, so it gets d = 6 and the second d = 1.
 
 Everything here is pure arithmetic on plain numbers: the scheduler feeds it measurements.
 """

@@ -103,4 +103,3 @@ class TransformersBackend(VerifierBackend):
         await self._scheduler.aclose()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self._runner.clear()
-

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, DynamicCache
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
 from spade_models.kv_cache import cache_argument_name
 from verifier_service.backends.cpu_attention import gqa_attention, rowwise_attention
@@ -101,7 +101,7 @@ def ragged_attention(
 
 
 def ragged_forward(
-    model: nn.Module,
+    model: PreTrainedModel,
     ragged_cache: RaggedCache,
     new_token_ids: Sequence[list[int]],
     positions: Sequence[int],

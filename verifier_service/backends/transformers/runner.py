@@ -87,7 +87,7 @@ class ModelRunner:
 
     def run(self, shares: list[Share]) -> tuple[list[ShareResult], ForwardRecord]:
         """One forward over every share's rows; then acceptance for the calls it answers."""
-        entries = [self._caches.pop(share.block.session_id, None) or self._new_cache() for share in shares]
+        entries = [self._take_cache(share.block.session_id) for share in shares]
         fed = [rows_to_feed(entry, share) for entry, share in zip(entries, shares, strict=True)]
         started = time.perf_counter()
         logits = self._forward(entries, fed)
@@ -97,13 +97,20 @@ class ModelRunner:
             results.append(self._conclude(entry, share, rows, share_logits))
         return results, record
 
+    def _take_cache(self, session_id: str) -> TokenCache:
+        """The session's cache, out of the table while its forward runs (put back by ``_keep``)."""
+        entry = self._caches.pop(session_id, None)
+        return entry if entry is not None else self._new_cache()
+
     def _new_cache(self) -> TokenCache:
         """A cache that appends in place (``growing_cache``): a forward writes only its rows."""
         return TokenCache(growing_cache(self.model.config))
 
     def _forward(self, entries: list[TokenCache], fed: list[FedRows]) -> list[torch.Tensor]:
         """The ragged forward; per share, the logits of its scored rows [k_i, vocab]."""
-        segments, scored, start = [], [], 0
+        segments: list[tuple[int, int]] = []
+        scored: list[int] = []
+        start = 0
         for rows in fed:
             end = start + len(rows.token_ids)
             segments.append((start, end))
@@ -172,4 +179,3 @@ def asked_logprobs(logits: torch.Tensor, emitted: list[int], block: BlockToVerif
         return None, None
     rows = reported_logprobs(logits[: len(emitted)], block.sampling)
     return emitted_logprobs(rows, emitted, block.num_top_logprobs)
-

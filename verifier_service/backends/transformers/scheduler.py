@@ -253,9 +253,7 @@ class Scheduler:
         now = time.perf_counter()
         queued = {call.block.session_id for call in self._queue}
         recent = [
-            session_id
-            for session_id, pace in self._paces.items()
-            if pace.answered_at is not None and now - pace.answered_at < ACTIVE_S
+            session_id for session_id, pace in self._paces.items() if pace.answered_at is not None and now - pace.answered_at < ACTIVE_S
         ]
         return sorted(queued.union(recent) & self._paces.keys())
 

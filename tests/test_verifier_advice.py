@@ -1,0 +1,161 @@
+"""The verifier's advice (``backends.transformers.advice``): the block length each session should
+draft next, from the target's load, measured forward cost and each session's acceptance; and
+the service's side of it: every answer carries it, and a longer block is cut to it and still
+verified exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from verifier_service.backends.transformers.advice import (
+    AcceptanceRate,
+    BusyFraction,
+    ForwardCost,
+    advised_lengths,
+    expected_tokens,
+)
+from verifier_support import (
+    MAX_DRAFT,
+    committed_after,
+    greedy_continuation,
+    new_session_id,
+    random_tokens,
+    running_client,
+    verifier_app,
+    verify,
+    verify_body,
+)
+
+# --- the arithmetic ------------------------------------------------------------------------------
+
+
+def test_expected_tokens_of_a_block():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == 1.0 + 0.5 + 0.25 + 0.125
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_below_the_knee_rows_are_nearly_free_and_blocks_stay_long():
+    assert advised_lengths({"a": 0.8, "b": 0.8}, (0.25, 0.0), 0, 64) == {"a": 64, "b": 64}
+    assert min(advised_lengths({"a": 0.8, "b": 0.8}, (0.25, 1e-6), 0, 64).values()) >= 40
+
+
+def test_past_the_knee_blocks_shorten_toward_one_row_per_token():
+    alphas = {session: 0.75 for session in range(8)}
+    assert set(advised_lengths(alphas, (0.26, 0.03), 0, 64).values()) == {1}
+    assert set(advised_lengths(alphas, (0.26, 0.011), 0, 64).values()) == {3}
+
+
+def test_rows_go_to_the_sessions_whose_drafts_the_target_keeps():
+    # The docstring's worked example: t(R) = 0.25 + 0.02 R.
+    assert advised_lengths({"a": 0.8, "b": 0.5}, (0.25, 0.02), 0, 64) == {"a": 6, "b": 1}
+
+
+def test_the_advice_maximises_the_committed_tokens_per_second():
+    # Brute force over every pair of lengths: none beats the advice.
+    alphas, cost = {"a": 0.85, "b": 0.6}, (0.3, 0.015)
+
+    def rate(lengths: dict[str, int]) -> float:
+        rows = sum(length + 1 for length in lengths.values())
+        return sum(expected_tokens(alphas[s], d) for s, d in lengths.items()) / (cost[0] + cost[1] * rows)
+
+    advice = advised_lengths(alphas, cost, 0, 32)
+    best = max(rate({"a": a, "b": b}) for a in range(1, 33) for b in range(1, 33))
+    assert rate(advice) == pytest.approx(best, rel=1e-9)
+
+
+def test_a_forward_already_long_with_a_prompt_chunk_makes_a_drafted_row_relatively_cheaper():
+    alone = advised_lengths({"a": 0.7}, (0.2, 0.01), 0, 64)["a"]
+    beside_a_prompt = advised_lengths({"a": 0.7}, (0.2, 0.01), 100, 64)["a"]
+    assert beside_a_prompt > alone
+
+
+def test_the_advice_is_within_one_and_the_verifiers_limit():
+    assert advised_lengths({"a": 0.01}, (0.0001, 1.0), 0, 8) == {"a": 1}
+    assert advised_lengths({"a": 0.99}, (10.0, 0.0), 0, 8) == {"a": 8}
+    assert advised_lengths({}, (0.2, 0.01), 50, 8) == {}
+
+
+def test_the_forward_cost_is_a_line_through_recent_forwards():
+    cost = ForwardCost()
+    assert cost.line() is None
+    cost.observe(9, 0.43)
+    cost.observe(9, 0.43)
+    assert cost.line() is None  # one row count: no slope yet
+    for rows in (5, 13, 20, 7):
+        cost.observe(rows, 0.25 + 0.02 * rows)
+    fixed_s, per_row_s = cost.line()
+    assert fixed_s == pytest.approx(0.25)
+    assert per_row_s == pytest.approx(0.02)
+
+
+def test_acceptance_counts_the_rejected_draft_and_forgets_slowly():
+    rate = AcceptanceRate()
+    for _ in range(40):
+        rate.observe(num_drafted=4, num_accepted=4)  # all kept: no rejection judged
+    assert rate.alpha == pytest.approx(0.99)
+    for _ in range(40):
+        rate.observe(num_drafted=4, num_accepted=1)  # one kept, one rejected
+    assert rate.alpha == pytest.approx(0.5, abs=0.03)
+    target_only = AcceptanceRate()
+    target_only.observe(num_drafted=0, num_accepted=0)
+    assert target_only.alpha == pytest.approx(0.6)  # nothing judged: the prior stands
+
+
+def test_busy_fraction_of_the_recent_past():
+    busy = BusyFraction()
+    clock = 0.0
+    for _ in range(50):  # forwards back to back
+        busy.observe(clock, clock + 0.3)
+        clock += 0.3
+    assert busy.fraction == pytest.approx(1.0)
+    for _ in range(50):  # then 0.3 s of work every 0.6 s
+        busy.observe(clock + 0.3, clock + 0.6)
+        clock += 0.6
+    assert busy.fraction == pytest.approx(0.5, abs=0.02)
+
+
+# --- the service ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tiny_pair):
+    with running_client(verifier_app(tiny_pair)) as client:
+        yield client
+
+
+def test_every_answer_carries_the_advice_and_an_idle_verifier_advises_its_limit(client):
+    rng = random.Random(1)
+    context = random_tokens(rng, 6, 300)
+    answer = verify(client, verify_body(new_session_id(), [], random_tokens(rng, 3, 300), new_tokens=context))
+    assert answer["advised_draft_length"] == MAX_DRAFT
+    assert "spade_verifier_advised_draft_length_count" in client.get("/metrics").text
+
+
+def test_a_block_longer_than_the_advice_is_cut_to_it_and_verified_exactly(client, target_model, monkeypatch):
+    # The backend advises 2: the session's next block of 6 target tokens is verified as its
+    # first 2, which the target accepts, plus the bonus: exactly the target's greedy text.
+    model = target_model.model
+    backend = client.app.state.service.backend
+    monkeypatch.setattr(backend, "advised_draft_length", lambda session_id: 2)
+    session_id, context = new_session_id(), random_tokens(random.Random(2), 7, 300)
+    first = verify(client, verify_body(session_id, [], [], new_tokens=context))
+    assert first["advised_draft_length"] == 2
+    held = committed_after(context, [], first)
+    block = greedy_continuation(model, held, 6)
+    cuts_before = _metric(client, "spade_verifier_cut_tokens_total")
+    second = verify(client, verify_body(session_id, held, block))
+    assert (second["num_accepted"], second["next_token"], second["next_token_kind"]) == (2, block[2], "bonus")
+    assert second["context_length"] == len(held) + 3
+    assert _metric(client, "spade_verifier_cut_tokens_total") - cuts_before == 4
+    third = verify(client, verify_body(session_id, committed_after(held, block, second), []))  # the session goes on in step
+    assert third["num_accepted"] == 0
+
+
+def _metric(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not on /metrics")
