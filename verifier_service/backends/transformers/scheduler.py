@@ -155,9 +155,8 @@ class Scheduler:
         future = asyncio.get_running_loop().create_future()
         self._pace(block.session_id).arrived(queued_at)
         self._queue.append(PendingCall(block, queued_at, future))
+        self._ensure_worker()
         self._arrived.set()
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._serve())
         return await future
 
     def advice_for(self, session_id: str) -> int | None:
@@ -172,8 +171,16 @@ class Scheduler:
             if call.block.session_id == session_id:
                 call.keep_cache = False
 
+    def _ensure_worker(self) -> None:
+        """The task serving the queue, on the running loop (a backend may outlive an event loop:
+        the benchmarks run one per measurement)."""
+        loop = asyncio.get_running_loop()
+        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
+            self._arrived = asyncio.Event()
+            self._worker = loop.create_task(self._serve())
+
     async def aclose(self) -> None:
-        if self._worker is not None:
+        if self._worker is not None and self._worker.get_loop() is asyncio.get_running_loop():
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
         for call in self._queue:
