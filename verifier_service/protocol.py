@@ -35,6 +35,14 @@ Example, the first call of a generation with prompt c0..c9 (nothing drafted yet)
      "draft_tokens": [], "sampling": {...}}
     -> {"num_accepted": 0, "next_token": t, "next_token_kind": "bonus", "context_length": 11, ...}
 
+Advice. Every answer carries ``advised_draft_length``: the longest block the verifier wants next
+from this session, chosen from its load (``backends.transformers.advice``): its
+``--max-draft-length`` while the target has idle time, shorter blocks when its forwards follow
+each other and extra rows would slow every session down. The edge drafts no further. A block
+longer than the session's last advice is cut to it before it is verified: verifying a prefix of
+a block is exact (the verdict is the one a block of that length gets), so an edge that ignores
+the advice is still served exactly, but cannot lengthen everyone's forwards.
+
 Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
 token and, in ``top_logprobs``, its N most likely alternatives, all the target's
 (``spade_core.sampling.reported_logprobs``). Without it (the default, and all an older edge

@@ -57,7 +57,7 @@ class VerifierSettings(ServiceSettings):
         ),
     )
     batch_wait_ms: float = Field(
-        0.0,
+        2.0,
         ge=0,
         description="--backend transformers: shortest wait for more sessions before a forward runs while the target is idle.",
     )
