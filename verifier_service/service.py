@@ -155,7 +155,7 @@ class VerifierService:
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token_id,
             next_token_kind="bonus" if verdict.is_bonus else "correction",
-            # [] when not asked: what an edge from before num_top_logprobs requires
+            # [] when not asked (the wire's logprobs is always a list)
             logprobs=verdict.logprobs or [],
             top_logprobs=None
             if verdict.top_logprobs is None
