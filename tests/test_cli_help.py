@@ -176,6 +176,28 @@ def test_demo_help_prints_usage_and_starts_nothing():
     assert "scripts/demo --no-baseline" in result.stdout
 
 
+def test_the_demo_drafts_as_a_default_edge_does_and_its_line_says_so(monkeypatch):
+    """A user who sets nothing gets the best measured draft length (README, Results): the edge's
+    default, the demo's, and the line the demo prints about the edge."""
+    import importlib.util
+    import re
+
+    from edge_agent.settings import EdgeSettings
+
+    edge_default = EdgeSettings.model_fields["draft_length"].default
+    demo_default = re.search(r"DRAFT_LENGTH=\$\{SPADE_DEMO_DRAFT_LENGTH:-(\w+)\}", (ROOT / "scripts" / "demo").read_text())
+    assert demo_default is not None and demo_default.group(1) == edge_default == "auto"
+    spec = importlib.util.spec_from_file_location("demo_request", ROOT / "scripts" / "demo_request.py")
+    assert spec is not None and spec.loader is not None
+    demo_request = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo_request", demo_request)  # its dataclasses look their module up
+    spec.loader.exec_module(demo_request)
+    health = {"draft_model": "qwen", "draft_backend": "llamacpp", "draft_length": edge_default, "overlap": True}
+    assert demo_request.edge_description(health) == (
+        "edge: draft qwen, on llamacpp, draft length auto (chosen before each block), overlapped with verification"
+    )
+
+
 # Every flag the services take (README's configuration tables): none lost when their settings
 # came to share a base class.
 SERVICE_FLAGS = {
