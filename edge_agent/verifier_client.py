@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
@@ -17,6 +18,7 @@ from gateway.errors import GatewayError, ServiceUnavailableError
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
+    WIRE_VERSION,
     VerifierHealth,
     VerifyRequest,
     VerifyResponse,
@@ -26,6 +28,8 @@ from verifier_service.protocol import (
 
 logger = logging.getLogger(__name__)
 
+VerifierState = Literal["ok", "unreachable", "incompatible"]
+
 RETRYABLE_STATUSES = {429, 502, 503, 504}
 SESSION_HEADER = "X-Spade-Session"
 """The session id again, as a header: a proxy in front of several verifier replicas pins each
@@ -34,6 +38,31 @@ session to one of them without reading the body (docker/nginx/verifier-pool.conf
 
 class VerifierProtocolError(GatewayError):
     """The verifier refused a call the edge built: a bug on our side, reported as a 500."""
+
+
+class VerifierIncompatibleError(ServiceUnavailableError):
+    """The verifier speaks another version of the edge <-> verifier wire: the edge serves only a
+    verifier of its own (README, "Compatibility"). At start-up it stops the edge; while running,
+    requests get 503 ``verifier_incompatible`` (or the draft alone with --fallback draft)."""
+
+    def __init__(self, base_url: str, wire_version: object) -> None:
+        verifier_speaks = "no wire version" if wire_version is None else f"wire version {wire_version!r}"
+        super().__init__(
+            f"the verifier at {base_url} speaks {verifier_speaks}, this edge speaks wire version {WIRE_VERSION}: "
+            "run an edge and a verifier of the same release",
+            code="verifier_incompatible",
+        )
+
+
+def check_wire_version(base_url: str, health_body: object) -> None:
+    """Refuse a verifier of another wire version before reading the rest of its /health, whose
+    shape may differ. A body without ``status`` is no verifier's /health (a proxy's error while the
+    verifier starts) and is left to the caller."""
+    if not isinstance(health_body, dict) or "status" not in health_body:
+        return
+    wire_version = health_body.get("wire_version")
+    if wire_version != WIRE_VERSION:
+        raise VerifierIncompatibleError(base_url, wire_version)
 
 
 class TokenizerMismatchError(RuntimeError):
@@ -84,17 +113,30 @@ class VerifierClient:
         """False while the circuit is open (the last call found the verifier unreachable)."""
         return time.monotonic() >= self._unreachable_until
 
-    async def health(self) -> VerifierHealth:
-        response = await self._http.get("/health")
-        return VerifierHealth.model_validate(response.json())
+    async def health(self, timeout_s: float | None = None) -> VerifierHealth:
+        """The verifier's /health; ``VerifierIncompatibleError`` from one of another wire version."""
+        response = await self._http.get("/health", timeout=timeout_s or self._http.timeout)
+        body = response.json()
+        check_wire_version(self.base_url, body)
+        return VerifierHealth.model_validate(body)
 
-    async def probe(self, timeout_s: float) -> bool:
-        """Whether the verifier answers its /health with ok within ``timeout_s``."""
+    async def probe(self, timeout_s: float) -> VerifierState:
+        """Whether the verifier answers its /health with ok, in this edge's wire version, within ``timeout_s``."""
         try:
-            response = await self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+            health = await self.health(timeout_s)
+        except VerifierIncompatibleError:
+            return "incompatible"
+        except (httpx.HTTPError, ValueError):
+            return "unreachable"
+        return "ok" if health.status == "ok" else "unreachable"
+
+    async def raise_if_incompatible(self) -> None:
+        """After a refused or unreadable verify answer: a verifier replaced by one of another wire
+        version is named as such (503), not taken for a bug of ours (500)."""
+        try:
+            await self.health()
+        except (httpx.HTTPError, ValueError):
+            pass  # unreadable too: the caller reports what it has
 
     async def wait_until_ready(self, timeout_s: float) -> VerifierHealth:
         """Poll /health until the verifier reports ok (it may still be loading its model)."""
@@ -180,13 +222,20 @@ class VerifierSession:
             request = self._request(context, block, sampling, num_top_logprobs)
             response, resent = await self.client.post_verify(request)
             bytes_sent += resent
-        if response.status_code != 200:
-            raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
-        verdict = VerifyResponse.model_validate_json(response.content)
+        verdict = await self._read_verdict(response)
         if num_top_logprobs is not None and not has_logprobs(verdict):
             raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
         self.verifier_length = verdict.context_length
         return VerifyCall(verdict, time.perf_counter() - started, bytes_sent, len(response.content), resynced)
+
+    async def _read_verdict(self, response: httpx.Response) -> VerifyResponse:
+        try:
+            if response.status_code != 200:
+                raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
+            return VerifyResponse.model_validate_json(response.content)
+        except (VerifierProtocolError, ValueError):
+            await self.client.raise_if_incompatible()
+            raise
 
     def close(self) -> None:
         if self.has_called:

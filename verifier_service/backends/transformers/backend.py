@@ -30,9 +30,11 @@ from verifier_service.kv_budget import kv_bytes_per_token
 
 
 class TransformersBackend(VerifierBackend):
-    """The target model in transformers, verifying the blocks of many sessions in shared
-    forwards; the CPU kernels (``cpu_kernels``) make its linear layers read each weight once per
-    forward, and ``batch_invariant`` makes each row's logits independent of what shares it."""
+    """The reference verifier backend (the default): the target as any causal LM transformers
+    loads, with a KV cache per session so each verify call feeds only the tokens that cache
+    lacks, the blocks of many sessions (and chunks of long prompts) sharing each forward, the
+    draft length each session is advised next, and on a float32 CPU the verifier's own kernels.
+    Runs on CPU, CUDA or MPS; tested on CPU."""
 
     name = "transformers"
 
