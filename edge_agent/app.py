@@ -26,6 +26,7 @@ from edge_agent.verifier_client import VerifierClient, check_tokenizer
 from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
+from gateway.security import is_trusted_caller
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.protocol import described_model
 
@@ -124,6 +125,8 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
             return JSONResponse({"status": "loading"}, status_code=503)
         verifier_ok = engine.verifier_reachable and await request.app.state.probe.is_ok()
         status, status_code = health_status(verifier_ok, settings.fallback)
+        if not is_trusted_caller(request):  # keys configured, none presented: the status alone
+            return JSONResponse({"status": status}, status_code=status_code)
         return JSONResponse(
             status_code=status_code,
             content={

@@ -2,7 +2,7 @@
 answer every failure in the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
 
 Honest codes: the client's mistakes are 4xx, our faults 500, an unreachable or failing cloud
-503, overload 429.
+503, a cloud whose answers stay garbled or fail their integrity check 502, overload 429.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ class ServiceUnavailableError(GatewayError):
     """The model is still loading, or the verifier cannot be reached."""
 
 
+class BadGatewayError(GatewayError):
+    """The verifier answered, but every answer was garbled, invalid, failed its integrity check
+    or was a server error (code ``verifier_bad_response``): no token of it was emitted."""
+
+
 # exception kind -> (OpenAI error type, HTTP status)
 ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     InvalidRequestError: ("invalid_request_error", 400),
@@ -72,6 +77,7 @@ ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     RequestTooLargeError: ("invalid_request_error", 413),
     OverloadedError: ("rate_limit_error", 429),
     ServiceUnavailableError: ("service_unavailable_error", 503),
+    BadGatewayError: ("bad_gateway_error", 502),
     Exception: ("server_error", 500),
 }
 

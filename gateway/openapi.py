@@ -16,6 +16,7 @@ ERROR_DESCRIPTIONS = {
     409: "Verifier session out of sync: resend the full context.",
     413: "Request body larger than max_request_bytes.",
     429: "Too many requests at once (see Retry-After), or no room for the session.",
+    502: "The verifier's answers stayed garbled, invalid or failed their integrity check (edge).",
     503: "Model loading, verifier unreachable, or service shutting down.",
 }
 
@@ -25,7 +26,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
     return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
-GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 502, 503)
 
 
 def install_openapi(app: FastAPI, requires_key: bool) -> None:
