@@ -181,6 +181,9 @@ class VerifierSession:
     has_called: bool = False
     """A verify call was sent: the verifier may hold the session even without an answer here
     (the first call cancelled in flight, when the client went away)."""
+    checked_digest: tuple[int, str] = (0, context_digest([]))
+    """(length, context_digest) of the committed context the last verdict was checked against:
+    the next call's prefix_digest, so each call hashes the context once, not twice."""
 
     async def verify(
         self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
@@ -192,17 +195,18 @@ class VerifierSession:
         traffic = Traffic()
         resynced = False
         try:
-            verdict = await self._trusted_verdict(self._request(context, block, sampling, num_top_logprobs), context, traffic)
+            verdict, committed_digest = await self._trusted_verdict(self._request(context, block, sampling, num_top_logprobs), context, traffic)
         except (SessionLostError, UntrustedAnswerError) as error:
             logger.debug("session %s: resending the whole context (%s)", self.session_id, type(error).__name__)
             resynced = True
             self.verifier_length = 0
             request = self._request(context, block, sampling, num_top_logprobs)
-            verdict = await self._resynced_verdict(request, context, traffic)
+            verdict, committed_digest = await self._resynced_verdict(request, context, traffic)
         self.verifier_length = verdict.context_length
+        self.checked_digest = (verdict.context_length, committed_digest)
         return VerifyCall(verdict, time.perf_counter() - started, traffic.bytes_sent, traffic.bytes_received, resynced)
 
-    async def _resynced_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> VerifyResponse:
+    async def _resynced_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> tuple[VerifyResponse, str]:
         try:
             return await self._trusted_verdict(request, context, traffic)
         except SessionLostError as error:
@@ -213,7 +217,7 @@ class VerifierSession:
                 code=BAD_RESPONSE_CODE,
             ) from None
 
-    async def _trusted_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> VerifyResponse:
+    async def _trusted_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> tuple[VerifyResponse, str]:
         """The verdict of ``request``, the same call posted again while answers fail the checks
         (``ClientSettings.retries`` times): the verifier replays its answer from memory."""
         fingerprint = request.fingerprint()
@@ -236,10 +240,11 @@ class VerifierSession:
 
     def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None) -> VerifyRequest:
         known = self.verifier_length
+        checked_length, checked_digest = self.checked_digest
         return VerifyRequest(
             session_id=self.session_id,
             prefix_length=known,
-            prefix_digest=context_digest(context[:known]),
+            prefix_digest=checked_digest if known == checked_length else context_digest(context[:known]),
             new_tokens=context[known:],
             draft_tokens=block.token_ids,
             draft_probs=block.probs,
@@ -263,8 +268,11 @@ class Traffic:
         self.bytes_received += received
 
 
-def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprint: str, context: list[int]) -> VerifyResponse:
-    """The verdict in ``response`` if it passes every check; raises UntrustedAnswerError for an
+def checked_verdict(
+    response: httpx.Response, request: VerifyRequest, fingerprint: str, context: list[int]
+) -> tuple[VerifyResponse, str]:
+    """The verdict in ``response`` if it passes every check, with the context_digest of the
+    committed context after it (the next call's prefix_digest); raises UntrustedAnswerError for an
     answer to treat as lost, SessionLostError for a 409 resync, VerifierProtocolError for a
     refusal of the call itself (a 4xx: a bug on our side).
 
@@ -283,13 +291,18 @@ def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprin
         raise UntrustedAnswerError(f"invalid answer: {str(error).splitlines()[0]}") from None
     if verdict.session_id != request.session_id or not 0 <= verdict.num_accepted <= len(request.draft_tokens):
         raise UntrustedAnswerError("an answer for another call")
-    emitted = request.draft_tokens[: verdict.num_accepted] + [verdict.next_token]
-    expected = verdict_digest(fingerprint, verdict, context_digest(context + emitted))
+    committed_digest = context_digest(committed_after(context, request, verdict))
+    expected = verdict_digest(fingerprint, verdict, committed_digest)
     if not hmac.compare_digest(expected, verdict.verdict_digest):
         raise UntrustedAnswerError("verdict digest mismatch")
     if request.num_top_logprobs is not None and not has_logprobs(verdict):
         raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
-    return verdict
+    return verdict, committed_digest
+
+
+def committed_after(context: list[int], request: VerifyRequest, verdict: VerifyResponse) -> list[int]:
+    """The committed context once the verdict is taken: context + accepted drafts + next token."""
+    return context + request.draft_tokens[: verdict.num_accepted] + [verdict.next_token]
 
 
 def has_logprobs(verdict: VerifyResponse) -> bool:

@@ -69,7 +69,7 @@ SESSION_RESYNC_CODE = "session_resync_required"
 def context_digest(token_ids: list[int]) -> str:
     """Digest of a committed token sequence (both sides compute it the same way)."""
     hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(b",".join(str(token_id).encode() for token_id in token_ids))
+    hasher.update(",".join(map(str, token_ids)).encode())  # "5,6,7": the ids in decimal, comma-separated
     return hasher.hexdigest()
 
 
