@@ -134,7 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         body = ErrorBody(message=str(error.detail), type=_http_error_type(error.status_code))
-        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=error.status_code)
+        # Starlette's 405 carries the route's methods in Allow (RFC 9110 requires it): keep its headers.
+        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(GatewayError)
     async def _on_gateway_error(request: Request, error: GatewayError) -> JSONResponse:

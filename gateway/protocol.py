@@ -2,8 +2,11 @@
 
 Unknown request fields are accepted and ignored (clients send many we do not use); the ones we
 do use are validated here, strictly (``max_tokens: true`` or ``stream: "yes"`` are refused, not
-coerced), so a bad value becomes a 400 in the OpenAI error envelope. Text must be valid Unicode:
-JSON can carry a lone UTF-16 surrogate ("a\\ud800b") that no tokenizer can encode.
+coerced), so a bad value becomes a 400 in the OpenAI error envelope. OpenAI's own fields that we
+accept and ignore (``tools``, ``logit_bias``, penalties ...) are type-checked as OpenAI's schema
+types them (``tools: "x"`` is a 400 naming the param). Where the schema says integer, an integral
+number such as ``1.0`` is one (JSON Schema's rule); ``1.5`` and ``true`` are not. Text must be
+valid Unicode: JSON can carry a lone UTF-16 surrogate ("a\\ud800b") that no tokenizer can encode.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from spade_core.params import MAX_SEED, MAX_TEMPERATURE
 
@@ -21,6 +24,19 @@ Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=F
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, description="Extension: 0 or -1 disables.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+
+
+
+def integral_number(value: Any) -> Any:
+    """An integral float (``1.0``) as the int it is; anything else unchanged, for the strict int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer as OpenAI's schema (JSON Schema) means it: 1 and 1.0, not 1.5 nor true.
+JsonInt = Annotated[int, BeforeValidator(integral_number)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 MAX_TOP_LOGPROBS = 20
 """Alternatives per token: chat's ``top_logprobs`` (OpenAI's bound), and the wire's."""
@@ -96,16 +112,20 @@ class _GenerationFields(UnicodeChecked):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[JsonInt, Field(ge=1)] | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: TopK = 0
-    seed: Seed | None = None
+    top_k: Annotated[TopK, BeforeValidator(integral_number)] = 0
+    seed: Annotated[Seed, BeforeValidator(integral_number)] | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    n: Annotated[JsonInt, Field(ge=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted and ignored (as OpenAI's schema types them, so a wrong type is still a 400):
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[JsonInt, Field(ge=-100, le=100)]] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -130,11 +150,19 @@ class _GenerationFields(UnicodeChecked):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[JsonInt, Field(ge=1)] | None = None
     logprobs: bool | None = Field(default=False, description="Return each output token's log-probability.")
-    top_logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Also its most likely alternatives (needs logprobs: true)."
+    top_logprobs: Annotated[JsonInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        default=None, description="Also its most likely alternatives (needs logprobs: true)."
     )
+    # Accepted and ignored (no tool calling here), type-checked as OpenAI's schema types them:
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = Field(None, min_length=1)
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -155,14 +183,18 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[int]
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[JsonInt], Field(min_length=1)] = Field(
+        description="Text, or token ids; not empty (OpenAI's schema allows \"\", which a model with no BOS token "
+        "cannot continue: refused with 400, and declared so here)."
+    )
     echo: bool = False
-    logprobs: int | None = Field(
+    logprobs: Annotated[JsonInt, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
         default=None,
-        ge=0,
-        le=MAX_COMPLETION_LOGPROBS,
         description="Return each output token's log-probability and this many most likely alternatives.",
     )
+    # Accepted and ignored, type-checked as OpenAI's schema types them:
+    best_of: Annotated[JsonInt, Field(ge=0, le=20)] | None = None
+    suffix: str | None = None
 
     @property
     def token_budget(self) -> int | None:
@@ -212,6 +244,7 @@ FinishReason = Literal["stop", "length"]
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: str | None = Field(None, description="Always null (OpenAI's schema requires the field).")
 
 
 class TopLogprob(BaseModel):
@@ -228,6 +261,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = Field(None, description="Always null (OpenAI's schema requires the field).")
 
 
 class CompletionLogprobs(BaseModel):

@@ -109,7 +109,18 @@ class SparseDistribution(BaseModel):
 
 
 class VerifyRequest(UnicodeChecked):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # A call must carry some context: prefix_length > 0, or the context in new_tokens (prefix 0
+    # with nothing new has no position to continue from: 400). Declared so in the schema.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"prefix_length": {"minimum": 1}}},
+                {"properties": {"new_tokens": {"minItems": 1}}, "required": ["new_tokens"]},
+            ]
+        },
+    )
 
     session_id: str = Field(min_length=1, max_length=128)
     prefix_length: int = Field(ge=0, description="Committed tokens the edge assumes the verifier holds.")
