@@ -195,7 +195,8 @@ class VerifierSession:
         traffic = Traffic()
         resynced = False
         try:
-            verdict, committed_digest = await self._trusted_verdict(self._request(context, block, sampling, num_top_logprobs), context, traffic)
+            request = self._request(context, block, sampling, num_top_logprobs)
+            verdict, committed_digest = await self._trusted_verdict(request, context, traffic)
         except (SessionLostError, UntrustedAnswerError) as error:
             logger.debug("session %s: resending the whole context (%s)", self.session_id, type(error).__name__)
             resynced = True
@@ -268,9 +269,7 @@ class Traffic:
         self.bytes_received += received
 
 
-def checked_verdict(
-    response: httpx.Response, request: VerifyRequest, fingerprint: str, context: list[int]
-) -> tuple[VerifyResponse, str]:
+def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprint: str, context: list[int]) -> tuple[VerifyResponse, str]:
     """The verdict in ``response`` if it passes every check, with the context_digest of the
     committed context after it (the next call's prefix_digest); raises UntrustedAnswerError for an
     answer to treat as lost, SessionLostError for a 409 resync, VerifierProtocolError for a

@@ -26,7 +26,6 @@ TopK = Annotated[int, Field(ge=-1, description="Extension: 0 or -1 disables.")]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
-
 def integral_number(value: Any) -> Any:
     """An integral float (``1.0``) as the int it is; anything else unchanged, for the strict int check."""
     if isinstance(value, float) and value.is_integer():
@@ -184,7 +183,7 @@ class ChatCompletionRequest(_GenerationFields):
 
 class CompletionRequest(_GenerationFields):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[JsonInt], Field(min_length=1)] = Field(
-        description="Text, or token ids; not empty (OpenAI's schema allows \"\", which a model with no BOS token "
+        description='Text, or token ids; not empty (OpenAI\'s schema allows "", which a model with no BOS token '
         "cannot continue: refused with 400, and declared so here)."
     )
     echo: bool = False

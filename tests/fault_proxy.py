@@ -75,6 +75,9 @@ class FaultProxy:
     kinds: tuple[str, ...] = FAULT_KINDS
     seed: int = 0
     max_delay_s: float = 0.2
+    spare_until: int = 0
+    """Verify answers up to this count (``num_verify_answers``) are never spoiled: a stream's
+    first tokens go out, then the faults start."""
     injected: Counter = field(default_factory=Counter)
     num_verify_answers: int = 0
 
@@ -92,7 +95,7 @@ class FaultProxy:
 
     async def _maybe_spoil(self, answer: Answer) -> Answer:
         self.num_verify_answers += 1
-        if self._rng.random() >= self.rate:
+        if self.num_verify_answers <= self.spare_until or self._rng.random() >= self.rate:
             return answer
         kind = self._rng.choice(self.kinds)
         self.injected[kind] += 1

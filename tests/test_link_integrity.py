@@ -26,9 +26,7 @@ BLOCK = [9, 10, 11]
 
 
 def _request() -> VerifyRequest:
-    return VerifyRequest(
-        session_id="s", prefix_length=4, prefix_digest=context_digest(CONTEXT), draft_tokens=BLOCK, num_top_logprobs=None
-    )
+    return VerifyRequest(session_id="s", prefix_length=4, prefix_digest=context_digest(CONTEXT), draft_tokens=BLOCK, num_top_logprobs=None)
 
 
 def _sealed(request: VerifyRequest, **fields) -> VerifyResponse:
@@ -126,8 +124,8 @@ def test_garbled_invalid_and_5xx_answers_are_untrusted(response):
 
 
 def test_a_409_resync_and_a_4xx_refusal_are_told_apart():
-    resync = httpx.Response(409, json={"error": {"message": "m", "type": "conflict_error", "param": None, "code": "session_resync_required"}})
-    refusal = httpx.Response(400, json={"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": None}})
+    resync = httpx.Response(409, json={"error": {"message": "m", "type": "conflict_error", "code": "session_resync_required"}})
+    refusal = httpx.Response(400, json={"error": {"message": "m", "type": "invalid_request_error", "code": None}})
     kinds = []
     for response in (resync, refusal):
         try:
@@ -154,7 +152,8 @@ def test_the_check_costs_well_under_a_millisecond_per_call():
         timings=VerifyTimings(queue_ms=0.1, forward_ms=2.5, total_ms=3.25),
     )
     emitted = request.draft_tokens[:5] + [1]
-    verdict = verdict.model_copy(update={"verdict_digest": verdict_digest(request.fingerprint(), verdict, context_digest(context + emitted))})
+    digest = verdict_digest(request.fingerprint(), verdict, context_digest(context + emitted))
+    verdict = verdict.model_copy(update={"verdict_digest": digest})
     response = _answer(verdict)
     repeats = 500
     started = time.perf_counter()

@@ -98,8 +98,7 @@ def _add_verifier_routes(app: FastAPI) -> None:
         "/health",
         response_model=VerifierHealth | HealthStatus,
         responses={503: {"model": VerifierHealth | HealthStatus, "description": "Still loading the model."}},
-        description="The state, limits and served model; where keys are configured, a caller without a valid key "
-        "gets the status alone.",
+        description="The state, limits and served model; where keys are configured, a caller without a valid key gets the status alone.",
     )
     async def health(request: Request) -> JSONResponse:
         service: VerifierService | None = request.app.state.service
