@@ -96,8 +96,8 @@ class SparseDistribution(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    token_ids: list[int] = Field(min_length=1)
-    probs: list[float] = Field(min_length=1)
+    token_ids: list[int] = Field(min_length=1, json_schema_extra={"uniqueItems": True})
+    probs: list[float] = Field(min_length=1, description="One per token id (same length as token_ids).")
 
     @model_validator(mode="after")
     def _same_length(self) -> SparseDistribution:
