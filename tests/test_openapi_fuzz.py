@@ -70,5 +70,6 @@ def test_fuzzing_the_openapi_document_finds_no_server_error_or_schema_violation(
     statuses: list[int] = []
     for result in schema.get_all_operations():
         fuzz_operation(result.ok(), url, statuses, failures)
-    # Both accepted and refused requests were made (the fuzzing reached the model, not only 400s).
-    assert (failures, 200 in statuses, 400 in statuses) == ([], True, True)
+    # The fuzzing reached the model (not only refusals). Refusals (400) are now rare: the documents
+    # declare the bounds the services enforce, so most generated requests are ones they take.
+    assert (failures, 200 in statuses) == ([], True)
