@@ -54,6 +54,10 @@ class SessionLostError(Exception):
     """The verifier answered 409 session_resync_required: the whole context must be resent."""
 
 
+class VerifierKeyError(RuntimeError):
+    """The verifier requires a key the edge does not have: start-up fails at once, not after a timeout."""
+
+
 class TokenizerMismatchError(RuntimeError):
     """The verifier's tokenizer differs from the draft's: drafted ids would mean other text."""
 
@@ -103,8 +107,16 @@ class VerifierClient:
         return time.monotonic() >= self._unreachable_until
 
     async def health(self) -> VerifierHealth:
+        """The verifier's /health; raises VerifierKeyError when it answers the status alone (it
+        shows its details only to a caller with a valid key: the edge's key is missing or wrong)."""
         response = await self._http.get("/health")
-        return VerifierHealth.model_validate(response.json())
+        body = response.json()
+        if isinstance(body, dict) and set(body) == {"status"} and body["status"] == "ok":
+            raise VerifierKeyError(
+                f"the verifier at {self.base_url} does not accept the edge's key (its /health gives the status alone): "
+                "set --verifier-api-key (or --verifier-api-key-file) to one of the verifier's keys"
+            )
+        return VerifierHealth.model_validate(body)
 
     async def probe(self, timeout_s: float) -> bool:
         """Whether the verifier answers its /health with ok within ``timeout_s``."""

@@ -13,8 +13,11 @@ import random
 import httpx
 import pytest
 
+from edge_agent.app import build_engine
 from edge_agent.drafter import DraftBlock
-from edge_agent.verifier_client import ClientSettings, VerifierClient, VerifierSession
+from edge_agent.metrics import EdgeMetrics
+from edge_agent.settings import EdgeSettings
+from edge_agent.verifier_client import ClientSettings, VerifierClient, VerifierKeyError, VerifierSession
 from edge_support import edge_app
 from gateway.security import key_id
 from servers import serve
@@ -129,3 +132,10 @@ def test_health_gives_a_caller_with_a_key_the_details(urls):
 def test_health_without_keys_configured_gives_anyone_the_details(tiny_pair):
     with serve(verifier_app(tiny_pair)) as url:
         assert "model" in httpx.get(url + "/health", timeout=30).json()
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"], ids=["no_key", "wrong_key"])
+async def test_an_edge_without_a_valid_verifier_key_stops_its_start_up_naming_the_flag(tiny_pair, urls, key):
+    settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=urls[0], verifier_api_key=key)
+    with pytest.raises(VerifierKeyError, match="--verifier-api-key"):
+        await build_engine(settings, EdgeMetrics())
