@@ -41,7 +41,7 @@ AsInteger = BeforeValidator(integral_number)
 JsonInt = Annotated[int, AsInteger]
 
 
-def narrowed_to(string: dict[str, int], array: dict[str, int]):
+def narrowed_to(string: dict[str, Any], array: dict[str, Any]):
     """A ``json_schema_extra`` that declares a ``str | list[...] | None`` field's bounds (which a
     validator enforces, with a message naming the field) on the schema's string and array forms."""
 
