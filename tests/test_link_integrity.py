@@ -76,8 +76,19 @@ def test_the_digest_covers_every_field_of_the_verdict(name):
         "num_target_tokens": 5,
         "timings": VerifyTimings(queue_ms=0.1, forward_ms=2.5, total_ms=3.5),
     }
-    changed = verdict.model_copy(update={name: changed_values.get(name, 1)})
+    changed = verdict.model_copy(update={name: changed_values.get(name, _another(getattr(verdict, name)))})
     assert verdict_digest(request.fingerprint(), changed, "c") != verdict_digest(request.fingerprint(), verdict, "c")
+
+
+def _another(value):
+    """A value other than ``value`` of its kind (for a field added to VerifyResponse later)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    return 1 if value is None else None
 
 
 @pytest.mark.parametrize(
