@@ -2,7 +2,8 @@
 /health and /metrics.
 
 At start-up it loads the draft model, waits for the verifier's /health and refuses (start-up
-fails with a clear message) a verifier whose tokenizer differs from the draft's."""
+fails with a clear message) a verifier of another wire version or whose tokenizer differs from
+the draft's."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from fastapi.responses import JSONResponse
 
 from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
 from edge_agent.engine import SpeculativeEngine
-from edge_agent.health import VerifierProbe, health_status
+from edge_agent.health import EdgeHealth, VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
-from edge_agent.verifier_client import VerifierClient, check_tokenizer
+from edge_agent.verifier_client import VerifierClient, VerifierState, check_tokenizer
 from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
@@ -66,7 +67,7 @@ async def build_engine(
         await client.aclose()
         raise
     # The verifier's limit caps the draft length once, here: the engine never drafts past it.
-    policy = settings.draft_length_policy().within(health.max_draft_tokens)
+    policy = settings.draft_length_policy().within(health.max_draft_length)
     logger.info(
         "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
         draft.model_id,
@@ -75,8 +76,6 @@ async def build_engine(
         settings.verifier_url,
         settings.draft_length,
     )
-    if settings.prefill_first and not health.accepts_empty_block:
-        logger.info("the verifier takes no empty block (a version before prefill-first): first calls carry a drafted block")
     return SpeculativeEngine(
         drafter,
         draft.tokenizer,
@@ -86,7 +85,7 @@ async def build_engine(
         metrics,
         settings.fallback == "draft",
         settings.overlap,
-        settings.prefill_first and health.accepts_empty_block,
+        settings.prefill_first,
     )
 
 
@@ -118,29 +117,32 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
     install_guards(app, settings, settings.host, default_trusted_hosts(settings.host, settings.trusted_hosts))
     app.include_router(build_openai_router())
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=EdgeHealth,
+        response_model_exclude_none=True,
+        responses={503: {"model": EdgeHealth, "description": "Loading, or the verifier cannot be used (without --fallback draft)."}},
+    )
     async def health(request: Request) -> JSONResponse:
         engine: SpeculativeEngine | None = request.app.state.engine
         if engine is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        verifier_ok = engine.verifier_reachable and await request.app.state.probe.is_ok()
-        status, status_code = health_status(verifier_ok, settings.fallback)
+            return JSONResponse(EdgeHealth(status="loading").model_dump(exclude_none=True), status_code=503)
+        verifier: VerifierState = await request.app.state.probe.state() if engine.verifier_reachable else "unreachable"
+        status, status_code = health_status(verifier, settings.fallback)
         if not is_trusted_caller(request):  # keys configured, none presented: the status alone
-            return JSONResponse({"status": status}, status_code=status_code)
-        return JSONResponse(
-            status_code=status_code,
-            content={
-                "status": status,
-                "verifier": "ok" if verifier_ok else "unreachable",
-                "fallback": settings.fallback,
-                "model": engine.model.model_id,
-                "draft_model": settings.draft_model,
-                "draft_backend": request.app.state.draft_backend,
-                "verifier_url": settings.verifier_url,
-                "draft_length": settings.draft_length,
-                "overlap": settings.overlap,
-                "prefill_first": engine.prefill_first,
-            },
+            return JSONResponse(EdgeHealth(status=status).model_dump(exclude_none=True), status_code=status_code)
+        body = EdgeHealth(
+            status=status,
+            verifier=verifier,
+            fallback=settings.fallback,
+            model=engine.model.model_id,
+            draft_model=settings.draft_model,
+            draft_backend=request.app.state.draft_backend,
+            verifier_url=settings.verifier_url,
+            draft_length=settings.draft_length,
+            overlap=settings.overlap,
+            prefill_first=engine.prefill_first,
         )
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=status_code)
 
     return app

@@ -34,6 +34,15 @@ from gateway.protocol import SpadeStats
 
 
 class SpeculativeEngine:
+    """The edge's engine: serves OpenAI requests by speculative decoding against a remote
+    verifier. It drafts blocks with the small draft model, has the verifier's target check each
+    one (the target keeps the longest prefix it accepts and adds its own next token), and streams
+    only tokens the target accepted or produced, so the output follows the target's distribution
+    (at temperature 0 it is the target's own greedy text). It serves under the model the
+    verifier's /health describes, drafts the next block while the verifier checks this one
+    (``overlap``), sends the prompt alone first (``prefill_first``) and, with ``--fallback
+    draft``, serves the draft alone while the verifier is unreachable."""
+
     def __init__(
         self,
         drafter: Drafter,
@@ -56,7 +65,7 @@ class SpeculativeEngine:
         self._overlap = overlap
         """Draft the next block while the verifier checks this one."""
         self._prefill_first = prefill_first
-        """The first verify call carries the prompt alone (the caller checked the verifier takes an empty block)."""
+        """The first verify call carries the prompt alone (every verifier of this wire version takes an empty block)."""
         # One drafting thread: draft forwards stay off the event loop, in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 

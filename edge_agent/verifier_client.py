@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
@@ -26,6 +27,7 @@ from gateway.errors import BadGatewayError, GatewayError, ServiceUnavailableErro
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
+    WIRE_VERSION,
     VerifierHealth,
     VerifyRequest,
     VerifyResponse,
@@ -35,6 +37,8 @@ from verifier_service.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+VerifierState = Literal["ok", "unreachable", "incompatible"]
 
 RETRYABLE_STATUSES = {429, 502, 503, 504}
 SESSION_HEADER = "X-Spade-Session"
@@ -56,6 +60,31 @@ class SessionLostError(Exception):
 
 class VerifierKeyError(RuntimeError):
     """The verifier requires a key the edge does not have: start-up fails at once, not after a timeout."""
+
+
+class VerifierIncompatibleError(ServiceUnavailableError):
+    """The verifier speaks another version of the edge <-> verifier wire: the edge serves only a
+    verifier of its own (README, "Compatibility"). At start-up it stops the edge; while running,
+    requests get 503 ``verifier_incompatible`` (or the draft alone with --fallback draft)."""
+
+    def __init__(self, base_url: str, wire_version: object) -> None:
+        verifier_speaks = "no wire version" if wire_version is None else f"wire version {wire_version!r}"
+        super().__init__(
+            f"the verifier at {base_url} speaks {verifier_speaks}, this edge speaks wire version {WIRE_VERSION}: "
+            "run an edge and a verifier of the same release",
+            code="verifier_incompatible",
+        )
+
+
+def check_wire_version(base_url: str, health_body: object) -> None:
+    """Refuse a verifier of another wire version before reading the rest of its /health, whose
+    shape may differ. A body without ``status`` is no verifier's /health (a proxy's error while the
+    verifier starts) and is left to the caller."""
+    if not isinstance(health_body, dict) or "status" not in health_body:
+        return
+    wire_version = health_body.get("wire_version")
+    if wire_version != WIRE_VERSION:
+        raise VerifierIncompatibleError(base_url, wire_version)
 
 
 class TokenizerMismatchError(RuntimeError):
@@ -106,25 +135,37 @@ class VerifierClient:
         """False while the circuit is open (the last call found the verifier unreachable)."""
         return time.monotonic() >= self._unreachable_until
 
-    async def health(self) -> VerifierHealth:
-        """The verifier's /health; raises VerifierKeyError when it answers the status alone (it
-        shows its details only to a caller with a valid key: the edge's key is missing or wrong)."""
-        response = await self._http.get("/health")
+    async def health(self, timeout_s: float | None = None) -> VerifierHealth:
+        """The verifier's /health. Raises VerifierKeyError when it answers the status alone (it
+        shows its details only to a caller with a valid key: the edge's key is missing or wrong),
+        ``VerifierIncompatibleError`` from a verifier of another wire version."""
+        response = await self._http.get("/health", timeout=timeout_s or self._http.timeout)
         body = response.json()
         if isinstance(body, dict) and set(body) == {"status"} and body["status"] == "ok":
             raise VerifierKeyError(
                 f"the verifier at {self.base_url} does not accept the edge's key (its /health gives the status alone): "
                 "set --verifier-api-key (or --verifier-api-key-file) to one of the verifier's keys"
             )
+        check_wire_version(self.base_url, body)
         return VerifierHealth.model_validate(body)
 
-    async def probe(self, timeout_s: float) -> bool:
-        """Whether the verifier answers its /health with ok within ``timeout_s``."""
+    async def probe(self, timeout_s: float) -> VerifierState:
+        """Whether the verifier answers its /health with ok, in this edge's wire version, within ``timeout_s``."""
         try:
-            response = await self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+            health = await self.health(timeout_s)
+        except VerifierIncompatibleError:
+            return "incompatible"
+        except (httpx.HTTPError, ValueError, VerifierKeyError):
+            return "unreachable"
+        return "ok" if health.status == "ok" else "unreachable"
+
+    async def raise_if_incompatible(self) -> None:
+        """After a refused or unreadable verify answer: a verifier replaced by one of another wire
+        version is named as such (503), not taken for a bug of ours (500)."""
+        try:
+            await self.health()
+        except (httpx.HTTPError, ValueError, VerifierKeyError):
+            pass  # unreadable too: the caller reports what it has
 
     async def wait_until_ready(self, timeout_s: float) -> VerifierHealth:
         """Poll /health until the verifier reports ok (it may still be loading its model)."""
@@ -209,6 +250,9 @@ class VerifierSession:
         try:
             request = self._request(context, block, sampling, num_top_logprobs)
             verdict, committed_digest = await self._trusted_verdict(request, context, traffic)
+        except VerifierProtocolError:
+            await self.client.raise_if_incompatible()
+            raise
         except (SessionLostError, UntrustedAnswerError) as error:
             logger.debug("session %s: resending the whole context (%s)", self.session_id, type(error).__name__)
             resynced = True
@@ -220,11 +264,18 @@ class VerifierSession:
         return VerifyCall(verdict, time.perf_counter() - started, traffic.bytes_sent, traffic.bytes_received, resynced)
 
     async def _resynced_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> tuple[VerifyResponse, str]:
+        """The resent call's verdict; when none comes, a verifier replaced by one of another wire
+        version is named as such (503), not taken for a bug of ours (500) or a bad gateway (502)."""
         try:
             return await self._trusted_verdict(request, context, traffic)
         except SessionLostError as error:
+            await self.client.raise_if_incompatible()
             raise VerifierProtocolError("the verifier answered 409 to a call carrying the whole context") from error
+        except VerifierProtocolError:
+            await self.client.raise_if_incompatible()
+            raise
         except UntrustedAnswerError as error:
+            await self.client.raise_if_incompatible()
             raise BadGatewayError(
                 f"no valid answer from the verifier at {self.client.base_url} ({error}); nothing of it was emitted",
                 code=BAD_RESPONSE_CODE,

@@ -49,7 +49,6 @@ from servers import serve
 from spade_core.params import SamplingConfig
 from spade_core.sampling import processed_probs
 from spade_models.tiny import TinyPairSpec, build_tokenizer
-from verifier_service.protocol import VerifierHealth
 from verifier_support import greedy_continuation, plain_forward_logits, running_client
 from verifier_support import verifier_app as small_verifier_app
 
@@ -516,11 +515,8 @@ def test_the_verify_wire_bounds_num_top_logprobs(urls):
         assert (response.status_code, response.json()["error"]["param"]) == (400, "num_top_logprobs")
 
 
-def test_the_verifier_says_which_calls_may_ask_and_an_older_one_says_none(urls):
+def test_the_verifier_says_which_calls_may_ask(urls):
     assert httpx.get(urls["verifier"] + "/health", timeout=10).json()["logprobs_support"] == "all"
-    health = httpx.get(urls["verifier"] + "/health", timeout=10).json()
-    del health["logprobs_support"]
-    assert VerifierHealth.model_validate(health).logprobs_support == "none"
 
 
 def test_a_verifier_that_cannot_report_them_refuses_the_call(tiny_pair, monkeypatch):

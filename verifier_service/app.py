@@ -20,7 +20,15 @@ from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.protocol import HealthStatus, SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse, health_fields
+from verifier_service.protocol import (
+    WIRE_VERSION,
+    HealthStatus,
+    SessionDeleted,
+    VerifierHealth,
+    VerifyRequest,
+    VerifyResponse,
+    health_fields,
+)
 from verifier_service.service import VerifierService
 from verifier_service.sessions import SessionRegistry
 from verifier_service.settings import VerifierSettings
@@ -109,23 +117,24 @@ def _add_verifier_routes(app: FastAPI) -> None:
         if service is None:
             body = VerifierHealth(
                 status="loading",
+                wire_version=WIRE_VERSION,
                 model=settings.served_model_name or settings.model,
                 vocab_size=0,
                 tokenizer_fingerprint="",
                 max_context_length=0,
-                max_draft_tokens=settings.max_draft_length,
+                max_draft_length=settings.max_draft_length,
                 max_draft_support=settings.max_draft_support,
                 eos_token_ids=[],
                 backend=settings.backend,
-                accepts_empty_block=True,
+                logprobs_support="none",  # nothing is served while loading
             )
             return JSONResponse(body.model_dump(), status_code=503)
         body = VerifierHealth(
             status="ok",
+            wire_version=WIRE_VERSION,
             **health_fields(service.backend.model),
-            max_draft_tokens=service.limits.max_draft_length,
+            max_draft_length=service.limits.max_draft_length,
             max_draft_support=service.limits.max_draft_support,
             backend=service.backend.name,
-            accepts_empty_block=True,
         )
         return JSONResponse(body.model_dump())

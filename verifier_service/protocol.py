@@ -8,8 +8,6 @@ leaves before the edge has drafted anything (the edge prefills its draft model m
 no drafted token nothing is accepted and ``next_token`` is the target's own next token, drawn
 from its distribution at the last context position with that position's seeded draws, exactly
 as the verifier's target-only routes draw it (a bonus token, ``num_accepted`` 0).
-``VerifierHealth.accepts_empty_block`` says a verifier takes such calls (false from one older
-than the field, which answers them 400).
 
 Session protocol. The verifier keeps, per ``session_id``, the committed context it has seen and
 the target's KV cache over it. After answering a call it appends the accepted drafted tokens and
@@ -46,9 +44,14 @@ Example, the first call of a generation with prompt c0..c9 (nothing drafted yet)
 
 Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
 token and, in ``top_logprobs``, its N most likely alternatives, all the target's
-(``spade_core.sampling.reported_logprobs``). Without it (the default, and all an older edge
-sends) nothing is computed, ``logprobs`` is [] and ``top_logprobs`` null. ``VerifierHealth
-.logprobs_support`` says which calls may ask ("none" from a verifier older than the field).
+(``spade_core.sampling.reported_logprobs``). Without it (the default) nothing is computed,
+``logprobs`` is [] and ``top_logprobs`` null. ``VerifierHealth.logprobs_support`` says which
+calls may ask.
+
+Versions. ``WIRE_VERSION`` numbers this wire; the verifier's ``/health`` carries it and an edge
+works only with a verifier of its own version (it refuses to start against another, and while
+running answers 503 ``verifier_incompatible``). A change an edge of the current version would
+misread (a field renamed, removed or newly required, a meaning changed) takes the next version.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ from gateway.engine import LogprobsSupport
 from gateway.model import ModelDescription
 from gateway.protocol import MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import SamplingConfig
+
+WIRE_VERSION = 1
+"""The version of this wire (first release: 1). See the module's "Versions"."""
 
 SESSION_RESYNC_CODE = "session_resync_required"
 
@@ -250,21 +256,16 @@ class VerifierHealth(BaseModel):
     """The verifier's state, limits and served model (``health_fields`` / ``described_model``)."""
 
     status: Literal["ok", "loading"]
+    wire_version: int = Field(description="The edge <-> verifier wire's version (WIRE_VERSION); an edge of another refuses this verifier.")
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
     max_context_length: int
-    max_draft_tokens: int  # the verifier's --max-draft-length (the wire keeps the older name)
+    max_draft_length: int = Field(description="The verifier's --max-draft-length: most drafted tokens one verify call may carry.")
     max_draft_support: int
     eos_token_ids: list[int]
     backend: str
     logprobs_support: LogprobsSupport = Field(
-        default="none",
         description=f"Which verify calls may ask for logprobs, one of {get_args(LogprobsSupport)}: all, greedy "
-        "ones only (vLLM backend, sample_match route), none (a verifier older than this field).",
-    )
-    accepts_empty_block: bool = Field(
-        default=False,
-        description="Verify calls may carry an empty block (the edge's prompt-only first call); false from a verifier older "
-        "than this field, which refuses them.",
+        "ones only (vLLM backend, sample_match route), none.",
     )

@@ -43,6 +43,13 @@ class VerifyLimits:
 
 
 class VerifierService:
+    """The cloud half's verify service: answers the edge's verify calls. It validates a call
+    against the wire's limits, checks it against the edge's session (the committed length and
+    digest; 409 ``session_resync_required`` when they differ, and a repeated call answered from
+    memory), has the backend's target accept the longest prefix of the drafted block and add its
+    own next token, and commits that verdict to the session, so the next call carries only its
+    new block. Bad input changes nothing, and a failed call leaves the session as it was."""
+
     def __init__(self, backend: VerifierBackend, sessions: SessionRegistry, limits: VerifyLimits, metrics: VerifierMetrics) -> None:
         self.backend = backend
         self.sessions = sessions
@@ -163,7 +170,7 @@ class VerifierService:
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token_id,
             next_token_kind="bonus" if verdict.is_bonus else "correction",
-            # [] when not asked: what an edge from before num_top_logprobs requires
+            # [] when not asked (the wire's logprobs is always a list)
             logprobs=verdict.logprobs or [],
             top_logprobs=None
             if verdict.top_logprobs is None

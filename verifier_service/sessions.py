@@ -62,6 +62,11 @@ class SessionLimits:
 
 
 class SessionRegistry:
+    """The verifier's sessions, one per edge generation: what each has committed (tokens and
+    digest) and its last answer (for retries), a lock serialising one session's calls, and
+    least-recently-used eviction by session count, total tokens and idle time; with a KV budget,
+    a call reserves the cache its forward will hold, evicting idle sessions or answering 429."""
+
     def __init__(self, limits: SessionLimits, kv_budget: KvBudget | None = None) -> None:
         self._limits = limits
         self.kv_budget = kv_budget
