@@ -257,7 +257,10 @@ def test_the_queue_p50_is_read_from_the_histogram_buckets():
 
 
 def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters():
-    users = [UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4, num_drafted=12, num_cut=1), UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4)]
+    users = [
+        UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4, num_drafted=12, num_cut=1),
+        UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4),
+    ]
     delta = {"spade_verifier_queue_seconds_count": 8.0, MODEL_FORWARDS: 5.0, MODEL_ROWS: 30.0, QUEUE_P50_MS: 12.0}
     row = level_row(SPADE, users, delta)
     assert (row.sessions_per_forward, row.rows_per_token, row.queue_ms_p50, row.mean_block, row.num_cut) == (1.6, 1.5, 12.0, 1.5, 1)
