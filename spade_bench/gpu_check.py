@@ -135,18 +135,29 @@ def build_model(config: CheckConfig, directory: Path) -> Path:
 def forward_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict[int, float]:
     """Median ms of one forward of r rows over a cached context of ``context_length`` tokens."""
     import torch
-    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from spade_models.loader import ModelSource, load_model
+
+    model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model  # the verifier's own loader
+    try:
+        return {rows: statistics.median(seconds) * 1e3 for rows, seconds in _row_timings(config, model, repeats).items()}
+    finally:
+        del model
+        if config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def _row_timings(config: CheckConfig, model, repeats: int) -> dict[int, list[float]]:
+    import torch
+    from transformers import DynamicCache
 
     from spade_models.kv_cache import cache_argument_name
 
-    dtype = getattr(torch, config.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(config.device).eval()
-    vocab, costs = config.shape["vocab_size"], {}
+    vocab, timings = config.shape["vocab_size"], {}
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         cached = {cache_argument_name(model): cache, "use_cache": True}
-        context = torch.randint(0, vocab, (1, config.context_length), device=config.device)
-        model(input_ids=context, logits_to_keep=1, **cached)
+        model(input_ids=torch.randint(0, vocab, (1, config.context_length), device=config.device), logits_to_keep=1, **cached)
         for rows in config.rows:
             seconds = []
             for _ in range(repeats + 1):  # the first is a warm-up
@@ -154,11 +165,8 @@ def forward_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dic
                 # logits for every row, as the verifier keeps them
                 seconds.append(_timed(lambda block=block, rows=rows: model(input_ids=block, logits_to_keep=rows, **cached), config.device))
                 cache.crop(-rows)
-            costs[rows] = statistics.median(seconds[1:]) * 1e3
-    del model, cache
-    if config.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return costs
+            timings[rows] = seconds[1:]
+    return timings
 
 
 def _timed(call, device: str) -> float:
@@ -287,7 +295,7 @@ def run_check(config: CheckConfig) -> dict:
     report |= {"rows": [row.to_dict() for row in rows], "prefill_interference": interference.to_dict()}
     markdown = "\n\n".join(
         [
-            f"# GPU check ({_device_name(config.device)}, {config.dtype}, {'tiny' if config.tiny else 'Qwen2.5-1.5B shape'}, random weights)",
+            f"# GPU check ({_device_name(config.device)}, {config.dtype}, {_shape_name(config)} shape, random weights)",
             f"Forward of r rows over a cached context of {config.context_length} tokens (medians):\n\n" + forward_table(costs),
             f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
             f"draft acceptance {config.acceptance}, drafting {config.draft_ms:g} ms/token, RTT {config.rtt_ms:g} ms, "
@@ -306,6 +314,10 @@ def _stepper(started: float):
         print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
 
     return step
+
+
+def _shape_name(config: CheckConfig) -> str:
+    return "tiny" if config.tiny else "Qwen2.5-1.5B"
 
 
 def _device_name(device: str) -> str:
