@@ -280,3 +280,30 @@ def test_the_prefill_scenario_splits_the_blocks_around_a_long_prompt(verifier_ur
     assert result.num_mismatches == 0
     assert len(result.before_ms) >= 2  # each edge had a block verified before the prompt was sent
     assert result.prefill_s > 0
+
+
+@pytest.mark.slow
+def test_the_capacity_command_records_traces_and_reports_on_the_tiny_pair(tmp_path):
+    """``--quick`` end to end: a real edge records, the draft's pass runs pinned in its own
+    process through the edge's flags, and the levels and the prefill scenario are reported."""
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "questions.jsonl"
+    rows = [
+        {"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]},
+        {"question_id": 2, "category": "writing", "turns": ["A haiku."]},
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out"
+    command = [sys.executable, "-m", "spade_bench.capacity", "--quick", "--mix", "short", "--data", str(data), "--users", "1,2"]
+    command += ["--rtt-ms", "0", "--prefill-tokens", "200", "--prefill-sessions", "2", "--output", str(output)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((output / "capacity.json").read_text())
+    assert {(row["mode"], row["num_users"]) for row in report["rows"]} == {(m, n) for m in (TARGET, SPADE, ADVICE) for n in (1, 2)}
+    assert all(row["num_mismatches"] == 0 for row in report["rows"])
+    assert all(session["draft_ms_per_token"] > 0 and session["clean"] for session in report["recorded"])
+    assert report["prefill_interference"]["8"]["num_mismatches"] == 0
+    assert "## Prefill interference" in (output / "capacity.md").read_text()
