@@ -88,6 +88,7 @@ class LevelRow:
     mean_block: float | None = None
     """Drafted tokens per verify call (None for target-only)."""
     num_cut: int = 0
+    user_wall_p50_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,7 +143,15 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         queue_ms_p50=metrics_delta.get(QUEUE_P50_MS),
         mean_block=_ratio(sum(user.num_drafted for user in users), sum(user.num_calls for user in users)) if mode != TARGET else None,
         num_cut=sum(user.num_cut for user in users),
+        user_wall_p50_s=percentile([user.wall_s for user in users], 50),
     )
+
+
+def prefill_bound(row: LevelRow) -> float | None:
+    """What SPADE could reach against this target-only row if its decoding cost nothing: the
+    users' time over their time to first token (p50s). The prefill is the same work in both
+    modes, so with long prompts and short answers it bounds the gain."""
+    return _ratio(row.user_wall_p50_s, row.ttft_p50_s) if row.mode == TARGET else None
 
 
 def histogram_buckets(text: str, name: str) -> dict[float, float]:
@@ -220,6 +229,11 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
             f"| {_metric(row.sessions_per_forward)} | {_metric(row.rows_per_token)} | {_metric(row.queue_ms_p50, 0)} "
             f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {row.num_mismatches if is_spade else '–'} |"
+        )
+    bounds = [f"N = {row.num_users}: {_fmt(prefill_bound(row))}×" for row in sorted(rows, key=lambda r: r.num_users) if row.mode == TARGET]
+    if bounds:
+        lines.append(
+            "\nPrefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — " + ", ".join(bounds) + "."
         )
     modes = sorted({row.mode for row in rows})
     capacity = ", ".join(f"{mode}: {max_users_at(rows, mode, user_tokens_per_s) or 0}" for mode in modes)

@@ -272,6 +272,7 @@ def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters
         assert f"| {column} |" in table.splitlines()[0] or table.splitlines()[0].endswith(f"| {column} |")
     assert "| 2 | target | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | n/a | n/a | n/a | – | – | – |" in table
     assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0 |" in table
+    assert "Prefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — N = 2: 5.00×." in table
 
 
 def test_the_prefill_scenario_splits_the_blocks_around_a_long_prompt(verifier_url, traced):
