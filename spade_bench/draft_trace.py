@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import statistics
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, required=True, help="the sessions again, each with its trace")
     parser.add_argument("edge_flags", nargs=argparse.REMAINDER, help="-- then the spade-edge flags of the recording edge")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # the draft backend chosen, and why
     flags = args.edge_flags[1:] if args.edge_flags[:1] == ["--"] else args.edge_flags
     sessions = read_sessions(args.sessions)
     drafter = edge_drafter(flags)
