@@ -135,7 +135,10 @@ def _verifier_spec(config: CapacityConfig, batch: int) -> ServiceSpec:
 def _edge_flags(config: CapacityConfig, verifier_url: str) -> tuple[str, ...]:
     """The recording edge's spade-edge flags (without the program)."""
     command = edge_command(config.draft, None, config.dtype, config.placement.threads, verifier_url, config.draft_length)
-    return command[len(console_command("spade-edge", "edge_agent.cli")) :] + config.edge_args
+    # A long prompt's prefill on one CPU core can outlast the edge's default 60 s per call; a
+    # retried call would be recorded twice. --edge-args may still set its own (the last flag wins).
+    patient = ("--verify-timeout-s", str(config.startup_timeout_s))
+    return command[len(console_command("spade-edge", "edge_agent.cli")) :] + patient + config.edge_args
 
 
 def traced(config: CapacityConfig, sessions: list[RecordedSession], verifier_url: str) -> list[RecordedSession]:

@@ -79,11 +79,24 @@ def recorded_prompt(calls: Sequence) -> list[int]:
 
 def recorded_output(calls: Sequence, completion_tokens: int) -> list[int]:
     """The committed tokens of a recorded session: per call the accepted drafts and the next
-    token, cut to the tokens the edge delivered (its last block may overshoot)."""
+    token, cut to the tokens the edge delivered (its last block may overshoot). A call that
+    starts before the committed end repeats one already answered (the edge's client retries a
+    call whose answer was slow or lost; the verifier answers it from memory) and adds nothing:
+
+        call at 1052 (the prompt) -> next t0      committed [t0]
+        call at 1052 again (a retry)              skipped
+        call at 1053, block [d0] -> 1 accepted, t1   committed [t0, d0, t1]
+    """
+    prompt_length = len(recorded_prompt(calls))
     committed: list[int] = []
     for call in calls:
         if call.status != 200 or call.num_accepted is None or call.next_token is None:
             raise ValueError("a session with a refused call (a resync) has no single committed path")
+        start = call.request["prefix_length"] + len(call.request["new_tokens"]) - prompt_length
+        if start < len(committed):
+            continue
+        if start > len(committed):
+            raise ValueError(f"a call starts at {start} with {len(committed)} tokens committed")
         committed += list(call.request["draft_tokens"][: call.num_accepted]) + [call.next_token]
     return committed[:completion_tokens]
 

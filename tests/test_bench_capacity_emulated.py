@@ -16,7 +16,7 @@ from edge_support import edge_app
 from servers import serve
 from spade_bench.capacity import record_sessions
 from spade_bench.capacity_levels import LevelSetup, run_level
-from spade_bench.capacity_record import VerifyRecorder, recording_app
+from spade_bench.capacity_record import RecordedCall, VerifyRecorder, recording_app
 from spade_bench.capacity_report import (
     ADVICE,
     MODEL_FORWARDS,
@@ -89,6 +89,20 @@ def test_the_proposals_predict_every_verdict_of_the_real_edge(recorded, traced):
                 num_blocks += 1
             position += call.num_accepted + 1
     assert num_blocks >= 4
+
+
+def test_a_retried_call_adds_nothing_to_the_recorded_output():
+    """The edge's client repeated its prompt-only call (slow prefill); both answers were recorded."""
+    prompt = {"prefix_length": 0, "new_tokens": [1, 2, 3], "draft_tokens": []}
+    calls = [
+        RecordedCall(prompt, 0.1, 200, 0, 7),
+        RecordedCall(prompt, -5.0, 200, 0, 7),  # the retry, answered from the verifier's memory
+        RecordedCall({"prefix_length": 4, "new_tokens": [], "draft_tokens": [8, 9, 5]}, 0.1, 200, 2, 4),
+    ]
+    assert recorded_output(calls, 10) == [7, 8, 9, 4]
+    assert recorded_output(calls, 3) == [7, 8, 9]
+    with pytest.raises(ValueError, match="starts at 2 with 1 tokens committed"):
+        recorded_output([calls[0], RecordedCall({"prefix_length": 5, "new_tokens": [], "draft_tokens": []}, 0.1, 200, 0, 1)], 10)
 
 
 def test_the_proposals_match_the_target_often_enough_to_test_anything(traced):
