@@ -27,6 +27,7 @@ from edge_agent.verifier_client import VerifierClient, VerifierState, check_toke
 from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
+from gateway.security import is_trusted_caller
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.protocol import described_model
 
@@ -128,6 +129,8 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
             return JSONResponse(EdgeHealth(status="loading").model_dump(exclude_none=True), status_code=503)
         verifier: VerifierState = await request.app.state.probe.state() if engine.verifier_reachable else "unreachable"
         status, status_code = health_status(verifier, settings.fallback)
+        if not is_trusted_caller(request):  # keys configured, none presented: the status alone
+            return JSONResponse(EdgeHealth(status=status).model_dump(exclude_none=True), status_code=status_code)
         body = EdgeHealth(
             status=status,
             verifier=verifier,

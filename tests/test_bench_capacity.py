@@ -16,9 +16,11 @@ import pytest
 
 from edge_support import edge_app
 from servers import serve
-from spade_bench.capacity import record_sessions, run_level
+from spade_bench.capacity import record_sessions
+from spade_bench.capacity_levels import run_level
 from spade_bench.capacity_record import VerifyRecorder, recording_app
 from spade_bench.capacity_report import (
+    REPLAY,
     SPADE,
     TARGET,
     VERIFIER_CPU,
@@ -65,7 +67,7 @@ def test_a_recorded_session_holds_every_verify_call_of_its_request(recorded):
 
 @pytest.mark.parametrize("num_users", [1, 3])
 def test_replayed_sessions_reproduce_their_recorded_verdicts(verifier_url, recorded, num_users):
-    users, delta = asyncio.run(run_level(verifier_url, SPADE, recorded, num_users, rtt_s=0.0))
+    users, delta = asyncio.run(run_level(verifier_url, REPLAY, recorded, num_users))
     assert [user.num_mismatches for user in users] == [0] * num_users
     assert [user.num_calls for user in users] == [len(recorded[k % 2].calls) for k in range(num_users)]
     assert [user.tokens for user in users] == [MAX_TOKENS] * num_users
@@ -74,7 +76,7 @@ def test_replayed_sessions_reproduce_their_recorded_verdicts(verifier_url, recor
 
 def test_a_level_reports_the_verifier_cpu_it_is_given(verifier_url, recorded):
     readings = count(start=10.0, step=2.5)  # before the level, then after it
-    users, delta = asyncio.run(run_level(verifier_url, SPADE, recorded, 1, rtt_s=0.0, cpu_seconds=lambda: next(readings)))
+    users, delta = asyncio.run(run_level(verifier_url, REPLAY, recorded, 1, cpu_seconds=lambda: next(readings)))
     assert delta[VERIFIER_CPU] == 2.5
     assert level_row(SPADE, users, delta).cpu_s_per_token == 2.5 / MAX_TOKENS
 
@@ -109,7 +111,7 @@ def test_the_verifier_cpu_includes_its_child_processes():
 
 
 def test_target_only_users_generate_the_same_number_of_tokens(verifier_url, recorded):
-    users, delta = asyncio.run(run_level(verifier_url, TARGET, recorded, 2, rtt_s=0.0))
+    users, delta = asyncio.run(run_level(verifier_url, TARGET, recorded, 2))
     assert [user.tokens for user in users] == [MAX_TOKENS, MAX_TOKENS]
     assert all(user.ttft_s is not None for user in users)
     assert delta["spade_verifier_forward_passes_total"] == 2 * MAX_TOKENS
@@ -151,5 +153,5 @@ def test_capacity_is_the_largest_n_whose_slowest_users_meet_the_target():
     ]
     assert (max_users_at(rows, TARGET, 1.0), max_users_at(rows, SPADE, 1.0), max_users_at(rows, SPADE, 2.0)) == (2, 4, None)
     table = markdown_table(rows, 1.0)
-    assert "| spade | 4 | 5.00 | 2.08× |" in table
+    assert "| 4 | spade | 5.00 | 2.08× |" in table
     assert "spade: 4, target: 2" in table

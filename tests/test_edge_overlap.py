@@ -100,6 +100,7 @@ class ScriptedVerifier:
             logprobs=[0.0] * (num_accepted + 1),
             context_length=len(committed) + 1,
             num_target_tokens=len(block.token_ids) + 1,
+            advised_draft_length=64,
             timings=VerifyTimings(queue_ms=0.0, forward_ms=1.0, total_ms=1.0),
         )
         self.calls.append(VerifyCall(verdict, self.latency_s, 0, 0, False))

@@ -68,6 +68,7 @@ def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
         next_token_kind="correction",
         context_length=13,
         num_target_tokens=4,
+        advised_draft_length=64,
         timings=VerifyTimings(queue_ms=1.0, forward_ms=30.0, total_ms=40.0),
     )
     call = VerifyCall(verdict, round_trip_s=0.5, bytes_sent=100, bytes_received=200, resynced=True)

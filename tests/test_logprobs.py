@@ -399,14 +399,14 @@ async def test_a_stop_string_cuts_the_reports_with_the_text(letters):
     app = gateway_app(ScriptedEngine(letters, ["a", "b", "c", "d"]))
     whole = (await post(app, "/v1/chat/completions", chat_body(stop="c"))).json()["choices"][0]
     assert (whole["message"]["content"], whole["finish_reason"]) == ("a b ", "stop")
-    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)]}
+    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)], "refusal": None}
     streamed = events(await post(app, "/v1/chat/completions", chat_body(stop="c", stream=True)))
     contents = [(event["choices"][0]["delta"].get("content"), event["choices"][0]["logprobs"]) for event in streamed]
     assert contents == [
         (None, None),  # the role chunk
-        ("a", {"content": [entry("a", -1.0)]}),
-        (" b", {"content": [entry("b", -2.0)]}),
-        (" ", {"content": []}),
+        ("a", {"content": [entry("a", -1.0)], "refusal": None}),
+        (" b", {"content": [entry("b", -2.0)], "refusal": None}),
+        (" ", {"content": [], "refusal": None}),
         (None, None),  # the finish chunk
     ]
 
@@ -428,7 +428,7 @@ async def test_the_eos_token_is_not_reported(letters):
     app = gateway_app(ScriptedEngine(letters, ["a", "b", "<|im_end|>"]))
     whole = (await post(app, "/v1/chat/completions", chat_body())).json()["choices"][0]
     assert (whole["message"]["content"], whole["finish_reason"]) == ("a b", "stop")
-    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)]}
+    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)], "refusal": None}
 
 
 async def test_completion_logprobs_list_the_chosen_token_with_its_alternatives_and_offsets(letters):

@@ -22,6 +22,15 @@ Retries. The verifier remembers its last answer per session, keyed by the reques
 fingerprint, so a call repeated after a lost response gets the same answer back instead of
 advancing the session twice.
 
+Integrity. Every verdict carries ``verdict_digest`` (``verdict_digest()``): a digest over the
+call's request fingerprint, the whole verdict (every field but the digest itself and
+``replayed``) and the ``context_digest`` of the verifier's committed context after the call.
+The edge recomputes it from the request it sent, the verdict it read and its OWN context +
+accepted + next before emitting a token: a verdict garbled on the way, meant for another call
+or for another context fails the check and is treated as lost (retried: the verifier replays it
+from memory; then resynced from the edge's context). It is a checksum, not a MAC: it catches
+faults, truncation and rewriting middleboxes, not an attacker on the path (only TLS does).
+
 Example, context c0..c9 committed, the verifier already holds all ten:
     {"session_id": "s", "prefix_length": 10, "prefix_digest": digest(c0..c9), "new_tokens": [],
      "draft_tokens": [d0, d1, d2], "draft_probs": null, "sampling": {"temperature": 0, ...}}
@@ -74,7 +83,7 @@ SESSION_RESYNC_CODE = "session_resync_required"
 def context_digest(token_ids: list[int]) -> str:
     """Digest of a committed token sequence (both sides compute it the same way)."""
     hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(b",".join(str(token_id).encode() for token_id in token_ids))
+    hasher.update(",".join(map(str, token_ids)).encode())  # "5,6,7": the ids in decimal, comma-separated
     return hasher.hexdigest()
 
 
@@ -101,8 +110,8 @@ class SparseDistribution(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    token_ids: list[int] = Field(min_length=1)
-    probs: list[float] = Field(min_length=1)
+    token_ids: list[int] = Field(min_length=1, json_schema_extra={"uniqueItems": True})
+    probs: list[float] = Field(min_length=1, description="One per token id (same length as token_ids).")
 
     @model_validator(mode="after")
     def _same_length(self) -> SparseDistribution:
@@ -114,7 +123,18 @@ class SparseDistribution(BaseModel):
 
 
 class VerifyRequest(UnicodeChecked):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # A call must carry some context: prefix_length > 0, or the context in new_tokens (prefix 0
+    # with nothing new has no position to continue from: 400). Declared so in the schema.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"prefix_length": {"minimum": 1}}},
+                {"properties": {"new_tokens": {"minItems": 1}}, "required": ["new_tokens"]},
+            ]
+        },
+    )
 
     session_id: str = Field(min_length=1, max_length=128)
     prefix_length: int = Field(ge=0, description="Committed tokens the edge assumes the verifier holds.")
@@ -183,6 +203,32 @@ class VerifyResponse(BaseModel):
     )
     timings: VerifyTimings
     replayed: bool = Field(default=False, description="True when this answers a retried call from memory.")
+    verdict_digest: str = Field(
+        default="",
+        description="verdict_digest(request fingerprint, this verdict, context_digest of the committed context after the "
+        "call): the edge checks it before emitting a token.",
+    )
+
+
+UNDIGESTED_FIELDS = frozenset({"verdict_digest", "replayed"})
+"""The verdict's fields outside its digest: the digest itself, and ``replayed``, the one field a
+replay changes. ``timings`` are inside: the draft-length policy and the request's stats read
+them, and a replay returns the stored ones unchanged."""
+
+
+def verdict_digest(request_fingerprint: str, verdict: VerifyResponse, context_digest_after: str) -> str:
+    """The digest that binds a verdict to its call and to the committed context after it.
+
+    Both sides compute it over the same canonical bytes: pydantic's JSON of the verdict's
+    fields (all but ``UNDIGESTED_FIELDS``, so a field added later is covered without edits;
+    floats round-trip exactly through JSON), framed by the fingerprint and the context digest."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(request_fingerprint.encode())
+    hasher.update(b"|")
+    hasher.update(verdict.model_dump_json(exclude=set(UNDIGESTED_FIELDS)).encode())
+    hasher.update(b"|")
+    hasher.update(context_digest_after.encode())
+    return hasher.hexdigest()
 
 
 class SessionDeleted(BaseModel):
@@ -212,6 +258,12 @@ def described_model(health: VerifierHealth) -> ModelDescription:
         tokenizer_fingerprint=health.tokenizer_fingerprint,
         logprobs_support=health.logprobs_support,
     )
+
+
+class HealthStatus(BaseModel):
+    """All /health tells a caller without a valid key where keys are configured."""
+
+    status: Literal["ok", "loading"]
 
 
 class VerifierHealth(BaseModel):

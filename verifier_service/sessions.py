@@ -41,9 +41,10 @@ class Session:
     def matches(self, prefix_length: int, prefix_digest: str) -> bool:
         return len(self.token_ids) == prefix_length and self.digest == prefix_digest
 
-    def commit(self, token_ids: list[int], fingerprint: str, response: VerifyResponse) -> None:
+    def commit(self, token_ids: list[int], digest: str, fingerprint: str, response: VerifyResponse) -> None:
+        """``digest``: context_digest(token_ids), computed once by the caller (it also seals the response)."""
         self.token_ids = token_ids
-        self.digest = context_digest(token_ids)
+        self.digest = digest
         self.last_fingerprint = fingerprint
         self.last_response = response
 
