@@ -18,7 +18,7 @@ advice, and its ``context_length`` then says so.
 
 The draft length comes from the edge's own policies (``edge_agent.draft_length``, fed with each
 call's outcome), capped, when the edge follows advice, by the verdict's
-``advised_draft_length`` (absent: no cap).
+``advised_draft_length`` (every verdict carries one: the verifier's limit while it has idle time).
 """
 
 from __future__ import annotations

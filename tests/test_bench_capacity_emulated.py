@@ -174,6 +174,10 @@ def test_an_edge_following_advice_never_drafts_past_it_and_one_ignoring_it_is_cu
 PROMPT, OUTPUT = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
 
 
+MAX_ADVICE = 64
+"""What a verifier with idle time advises: its --max-draft-length."""
+
+
 def stub_verifier(advice: int | None, calls: list[dict], wrong_at: int | None = None) -> FastAPI:
     app = FastAPI()
 
@@ -197,7 +201,7 @@ def stub_verifier(advice: int | None, calls: list[dict], wrong_at: int | None = 
             "num_target_tokens": len(block) + 1,
             "timings": {"queue_ms": 0.0, "forward_ms": 1.0, "total_ms": 1.0},
         }
-        return answer if advice is None else answer | {"advised_draft_length": advice}
+        return answer | {"advised_draft_length": MAX_ADVICE if advice is None else advice}  # an idle verifier advises its limit
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete(session_id: str) -> dict:
