@@ -101,6 +101,8 @@ class SpeculativeEngine:
         return self._options.prefill_first
 
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
+        """Per block: draft it, verify it (drafting ahead meanwhile), commit the verdict, stream
+        what it delivers; until EOS or the budget. Closing the stream early ends it too."""
         generation = self._start(request, stats)
         try:
             while not generation.is_finished:

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny models built once per test session, loaded through the same loader a
-user's model takes, and verifier servers on loopback ports."""
+user's model takes, and an in-process verifier on the tiny target per test module."""
 
 from __future__ import annotations
 
@@ -76,6 +76,28 @@ def target_model(tiny_pair) -> LoadedModel:
 @pytest.fixture(scope="session")
 def draft_model(tiny_pair) -> LoadedModel:
     return load_model(ModelSource(str(tiny_pair.draft_dir)))
+
+
+@pytest.fixture(scope="module")
+def client(tiny_pair):
+    """An in-process client of a verifier on the tiny target with the small limits of
+    ``verifier_support.verifier_app``, one per test module (a module may name its own ``client``)."""
+    from verifier_support import running_verifier
+
+    with running_verifier(tiny_pair) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def model(target_model):
+    """The tiny target's torch module (for plain-forward references)."""
+    return target_model.model
+
+
+@pytest.fixture(scope="session")
+def vocab_size(target_model) -> int:
+    """The tiny target's vocabulary: the rows of its output layer."""
+    return target_model.model.get_output_embeddings().weight.shape[0]
 
 
 SMALL_GGUF = "smollm2-135m-instruct"

@@ -10,7 +10,7 @@ import torch
 from edge_agent.accounting import block_outcome, count_call
 from edge_agent.draft_ahead import Drafting
 from edge_agent.draft_length import BlockOutcome
-from edge_agent.drafter import ModelDrafter
+from edge_agent.drafter import DraftLimits, ModelDrafter
 from edge_agent.generation import draft_length, num_delivered
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
@@ -98,7 +98,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def drafter(draft_model) -> ModelDrafter:
-    return ModelDrafter(draft_model, max_support=8)
+    return ModelDrafter(draft_model, DraftLimits(max_support=8))
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_the_same_seed_drafts_the_same_block(drafter, context):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=2.0, seed=3)], ids=["greedy", "sampled"])
 def test_no_drafted_token_reaches_the_verifiers_vocabulary_limit(draft_model, context, sampling):
-    limited = ModelDrafter(draft_model, max_support=384, vocab_limit=100)
+    limited = ModelDrafter(draft_model, DraftLimits(max_support=384, vocab_limit=100))
     block = limited.start_session().propose(context, 16, sampling)
     support = [token_id for row in block.probs or [] for token_id in row.token_ids]
     assert max(block.token_ids + support) < 100
