@@ -66,12 +66,19 @@ class EngineOptions:
     overlap: bool = field(default=False, kw_only=True)
     """Draft the next block while the verifier checks this one."""
     prefill_first: bool = field(default=False, kw_only=True)
-    """The first verify call carries the prompt alone (the caller checked the verifier takes an empty block)."""
+    """The first verify call carries the prompt alone (every verifier of this wire version takes an empty block)."""
 
 
 class SpeculativeEngine:
-    """The edge's ``GenerationEngine``: serves the target's output by drafting blocks here and
-    having the verifier check them, one ``Generation`` per request."""
+    """The edge's engine: serves OpenAI requests by speculative decoding against a remote
+    verifier. It drafts blocks with the small draft model, has the verifier's target check each
+    one (the target keeps the longest prefix it accepts and adds its own next token), and streams
+    only tokens the target accepted or produced, so the output follows the target's distribution
+    (at temperature 0 it is the target's own greedy text). It serves under the model the
+    verifier's /health describes, drafts the next block while the verifier checks this one
+    (``overlap``), sends the prompt alone first (``prefill_first``) and, with ``--fallback
+    draft``, serves the draft alone while the verifier is unreachable. Each request is one
+    ``Generation``, handed from step to step of the loop."""
 
     def __init__(self, drafter: Drafter, client: VerifierClient, served: ServedModel, metrics: EdgeMetrics, options: EngineOptions) -> None:
         self._drafter = drafter
