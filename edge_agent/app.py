@@ -2,7 +2,8 @@
 /health and /metrics.
 
 At start-up it loads the draft model, waits for the verifier's /health and refuses (start-up
-fails with a clear message) a verifier whose tokenizer differs from the draft's."""
+fails with a clear message) a verifier of another wire version or whose tokenizer differs from
+the draft's."""
 
 from __future__ import annotations
 
@@ -18,14 +19,15 @@ from fastapi.responses import JSONResponse
 
 from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
 from edge_agent.engine import EngineOptions, ServedModel, SpeculativeEngine
-from edge_agent.health import VerifierProbe, health_status
+from edge_agent.health import EdgeHealth, VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
-from edge_agent.verifier_client import VerifierClient, check_tokenizer
+from edge_agent.verifier_client import VerifierClient, VerifierState, check_tokenizer
 from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
+from gateway.security import is_trusted_caller
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.protocol import described_model
 
@@ -65,7 +67,7 @@ async def build_engine(
         await client.aclose()
         raise
     # The verifier's limit caps the draft length once, here: the engine never drafts past it.
-    policy = settings.draft_length_policy().within(health.max_draft_tokens)
+    policy = settings.draft_length_policy().within(health.max_draft_length)
     logger.info(
         "edge ready: drafting with %s (%s) for %s at %s (draft length %s)",
         draft.model_id,
@@ -74,13 +76,11 @@ async def build_engine(
         settings.verifier_url,
         settings.draft_length,
     )
-    if settings.prefill_first and not health.accepts_empty_block:
-        logger.info("the verifier takes no empty block (a version before prefill-first): first calls carry a drafted block")
     options = EngineOptions(
         policy,
         fallback_to_draft=settings.fallback == "draft",
         overlap=settings.overlap,
-        prefill_first=settings.prefill_first and health.accepts_empty_block,
+        prefill_first=settings.prefill_first,
     )
     return SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
 
@@ -113,27 +113,32 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
     install_guards(app, settings, settings.host, default_trusted_hosts(settings.host, settings.trusted_hosts))
     app.include_router(build_openai_router())
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=EdgeHealth,
+        response_model_exclude_none=True,
+        responses={503: {"model": EdgeHealth, "description": "Loading, or the verifier cannot be used (without --fallback draft)."}},
+    )
     async def health(request: Request) -> JSONResponse:
         engine: SpeculativeEngine | None = request.app.state.engine
         if engine is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
-        verifier_ok = engine.verifier_reachable and await request.app.state.probe.is_ok()
-        status, status_code = health_status(verifier_ok, settings.fallback)
-        return JSONResponse(
-            status_code=status_code,
-            content={
-                "status": status,
-                "verifier": "ok" if verifier_ok else "unreachable",
-                "fallback": settings.fallback,
-                "model": engine.model.model_id,
-                "draft_model": settings.draft_model,
-                "draft_backend": request.app.state.draft_backend,
-                "verifier_url": settings.verifier_url,
-                "draft_length": settings.draft_length,
-                "overlap": settings.overlap,
-                "prefill_first": engine.prefill_first,
-            },
+            return JSONResponse(EdgeHealth(status="loading").model_dump(exclude_none=True), status_code=503)
+        verifier: VerifierState = await request.app.state.probe.state() if engine.verifier_reachable else "unreachable"
+        status, status_code = health_status(verifier, settings.fallback)
+        if not is_trusted_caller(request):  # keys configured, none presented: the status alone
+            return JSONResponse(EdgeHealth(status=status).model_dump(exclude_none=True), status_code=status_code)
+        body = EdgeHealth(
+            status=status,
+            verifier=verifier,
+            fallback=settings.fallback,
+            model=engine.model.model_id,
+            draft_model=settings.draft_model,
+            draft_backend=request.app.state.draft_backend,
+            verifier_url=settings.verifier_url,
+            draft_length=settings.draft_length,
+            overlap=settings.overlap,
+            prefill_first=engine.prefill_first,
         )
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=status_code)
 
     return app

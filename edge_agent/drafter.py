@@ -1,10 +1,11 @@
 """Drafters: what proposes the block the verifier checks.
 
-A drafter is two methods (as transformers' CandidateGenerator): ``propose`` a block for the
-committed context, then ``observe`` the verdict. The model drafter runs the small model with
-its own KV cache kept across blocks: the cache is cropped to the longest prefix it shares with
-the committed context, so a block costs one forward per drafted token and the verdict's next
-token is fed with the first of them.
+A drafter opens one session per generation, and a session ``propose``s a block for the committed
+context. Unlike transformers' CandidateGenerator (propose / update) there is no update step: the
+verdict reaches the draft as the next proposal's context. The model drafter runs the small
+model with its own KV cache kept across blocks: the cache is cropped to the longest prefix it
+shares with the committed context, so a block costs one forward per drafted token and the
+verdict's next token is fed with the first of them.
 
 At temperature 0 the drafter is greedy and sends no distributions (the verifier treats each
 drafted token as one-hot). Otherwise each token is sampled from the draft model's distribution

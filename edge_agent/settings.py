@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from edge_agent.draft_length import DraftLengthPolicy, draft_length_policy, parse_draft_length
 from gateway.settings import ServiceSettings
 
-if TYPE_CHECKING:  # the client pulls in torch via the wire module; --help must not
+if TYPE_CHECKING:  # the client pulls in torch via the drafter (edge_agent.drafter); --help must not
     from edge_agent.verifier_client import ClientSettings
 
 
@@ -42,10 +42,10 @@ class EdgeSettings(ServiceSettings):
         ),
     )
     draft_length: int | Literal["auto"] = Field(
-        5,
+        "auto",
         description=(
-            "The draft length: tokens drafted per verify call, a positive integer, or 'auto' to choose it before "
-            "each block from acceptance and round trip."
+            "The draft length: tokens drafted per verify call, a positive integer, or 'auto' (the default, the "
+            "fastest setting measured: README, Results) to choose it before each block from acceptance and round trip."
         ),
     )
     overlap: bool = Field(
@@ -61,7 +61,7 @@ class EdgeSettings(ServiceSettings):
             "The first verify call of a request carries the prompt alone (no drafted block) and leaves at once: "
             "the target prefills the prompt and answers its first token while the edge prefills the draft "
             "(with --overlap, and drafts ahead of that token). With --overlap false the draft waits for that "
-            "first token. Used only when the verifier's /health says it accepts an empty block."
+            "first token."
         ),
     )
     max_draft_length: int = Field(16, ge=1, description="Longest draft length --draft-length auto chooses.")

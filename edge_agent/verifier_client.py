@@ -1,30 +1,44 @@
 """The edge's client of the verifier: one keep-alive httpx connection pool per verifier, the
 session protocol (send only the unseen tail, resend the whole context on 409), retries of lost
-calls (safe: the verifier answers a repeated call from memory), and session cleanup."""
+calls (safe: the verifier answers a repeated call from memory), and session cleanup.
+
+No verdict reaches the engine unchecked (``checked_verdict``): it must parse, belong to the call
+and carry the ``verdict_digest`` the edge recomputes over the request it sent, the verdict and
+its OWN committed context + accepted + next (verifier_service.protocol). An answer that fails
+(garbled, truncated, schema-invalid, rewritten on the way, a 5xx) is treated as lost: the same
+call again (the verifier replays it from memory, so the session never advances twice), then
+the whole context resent from the edge's own committed tokens (never the verifier's), then a
+502 (``BadGatewayError``). The engine's context therefore only ever grows by verified tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Literal
 
 import httpx
 
 from edge_agent.drafter import DraftBlock
-from gateway.errors import GatewayError, ServiceUnavailableError
+from gateway.errors import BadGatewayError, GatewayError, ServiceUnavailableError
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
+    WIRE_VERSION,
     VerifierHealth,
     VerifyRequest,
     VerifyResponse,
     WireSampling,
     context_digest,
+    verdict_digest,
 )
 
 logger = logging.getLogger(__name__)
+
+VerifierState = Literal["ok", "unreachable", "incompatible"]
 
 RETRYABLE_STATUSES = {429, 502, 503, 504}
 SESSION_HEADER = "X-Spade-Session"
@@ -34,6 +48,43 @@ session to one of them without reading the body (docker/nginx/verifier-pool.conf
 
 class VerifierProtocolError(GatewayError):
     """The verifier refused a call the edge built: a bug on our side, reported as a 500."""
+
+
+class UntrustedAnswerError(Exception):
+    """A verify answer the edge cannot use (garbled, invalid, failing its digest, a 5xx): treated as lost."""
+
+
+class SessionLostError(Exception):
+    """The verifier answered 409 session_resync_required: the whole context must be resent."""
+
+
+class VerifierKeyError(RuntimeError):
+    """The verifier requires a key the edge does not have: start-up fails at once, not after a timeout."""
+
+
+class VerifierIncompatibleError(ServiceUnavailableError):
+    """The verifier speaks another version of the edge <-> verifier wire: the edge serves only a
+    verifier of its own (README, "Compatibility"). At start-up it stops the edge; while running,
+    requests get 503 ``verifier_incompatible`` (or the draft alone with --fallback draft)."""
+
+    def __init__(self, base_url: str, wire_version: object) -> None:
+        verifier_speaks = "no wire version" if wire_version is None else f"wire version {wire_version!r}"
+        super().__init__(
+            f"the verifier at {base_url} speaks {verifier_speaks}, this edge speaks wire version {WIRE_VERSION}: "
+            "run an edge and a verifier of the same release",
+            code="verifier_incompatible",
+        )
+
+
+def check_wire_version(base_url: str, health_body: object) -> None:
+    """Refuse a verifier of another wire version before reading the rest of its /health, whose
+    shape may differ. A body without ``status`` is no verifier's /health (a proxy's error while the
+    verifier starts) and is left to the caller."""
+    if not isinstance(health_body, dict) or "status" not in health_body:
+        return
+    wire_version = health_body.get("wire_version")
+    if wire_version != WIRE_VERSION:
+        raise VerifierIncompatibleError(base_url, wire_version)
 
 
 class TokenizerMismatchError(RuntimeError):
@@ -84,17 +135,37 @@ class VerifierClient:
         """False while the circuit is open (the last call found the verifier unreachable)."""
         return time.monotonic() >= self._unreachable_until
 
-    async def health(self) -> VerifierHealth:
-        response = await self._http.get("/health")
-        return VerifierHealth.model_validate(response.json())
+    async def health(self, timeout_s: float | None = None) -> VerifierHealth:
+        """The verifier's /health. Raises VerifierKeyError when it answers the status alone (it
+        shows its details only to a caller with a valid key: the edge's key is missing or wrong),
+        ``VerifierIncompatibleError`` from a verifier of another wire version."""
+        response = await self._http.get("/health", timeout=timeout_s or self._http.timeout)
+        body = response.json()
+        if isinstance(body, dict) and set(body) == {"status"} and body["status"] == "ok":
+            raise VerifierKeyError(
+                f"the verifier at {self.base_url} does not accept the edge's key (its /health gives the status alone): "
+                "set --verifier-api-key (or --verifier-api-key-file) to one of the verifier's keys"
+            )
+        check_wire_version(self.base_url, body)
+        return VerifierHealth.model_validate(body)
 
-    async def probe(self, timeout_s: float) -> bool:
-        """Whether the verifier answers its /health with ok within ``timeout_s``."""
+    async def probe(self, timeout_s: float) -> VerifierState:
+        """Whether the verifier answers its /health with ok, in this edge's wire version, within ``timeout_s``."""
         try:
-            response = await self._http.get("/health", timeout=timeout_s)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
+            health = await self.health(timeout_s)
+        except VerifierIncompatibleError:
+            return "incompatible"
+        except (httpx.HTTPError, ValueError, VerifierKeyError):
+            return "unreachable"
+        return "ok" if health.status == "ok" else "unreachable"
+
+    async def raise_if_incompatible(self) -> None:
+        """After a refused or unreadable verify answer: a verifier replaced by one of another wire
+        version is named as such (503), not taken for a bug of ours (500)."""
+        try:
+            await self.health()
+        except (httpx.HTTPError, ValueError, VerifierKeyError):
+            pass  # unreadable too: the caller reports what it has
 
     async def wait_until_ready(self, timeout_s: float) -> VerifierHealth:
         """Poll /health until the verifier reports ok (it may still be loading its model)."""
@@ -163,30 +234,69 @@ class VerifierSession:
     has_called: bool = False
     """A verify call was sent: the verifier may hold the session even without an answer here
     (the first call cancelled in flight, when the client went away)."""
+    checked_digest: tuple[int, str] = (0, context_digest([]))
+    """(length, context_digest) of the committed context the last verdict was checked against:
+    the next call's prefix_digest, so each call hashes the context once, not twice."""
 
     async def verify(
         self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
     ) -> VerifyCall:
         """``num_top_logprobs``: None asks for no logprobs; N for the emitted tokens' and N
-        alternatives each."""
+        alternatives each. Returns only a verdict that passed ``checked_verdict``."""
         started = time.perf_counter()
-        resynced = False
         self.has_called = True
-        request = self._request(context, block, sampling, num_top_logprobs)
-        response, bytes_sent = await self.client.post_verify(request)
-        if response.status_code == 409 and _error_code(response) == SESSION_RESYNC_CODE:
+        traffic = Traffic()
+        resynced = False
+        try:
+            request = self._request(context, block, sampling, num_top_logprobs)
+            verdict, committed_digest = await self._trusted_verdict(request, context, traffic)
+        except VerifierProtocolError:
+            await self.client.raise_if_incompatible()
+            raise
+        except (SessionLostError, UntrustedAnswerError) as error:
+            logger.debug("session %s: resending the whole context (%s)", self.session_id, type(error).__name__)
             resynced = True
             self.verifier_length = 0
             request = self._request(context, block, sampling, num_top_logprobs)
-            response, resent = await self.client.post_verify(request)
-            bytes_sent += resent
-        if response.status_code != 200:
-            raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
-        verdict = VerifyResponse.model_validate_json(response.content)
-        if num_top_logprobs is not None and not has_logprobs(verdict):
-            raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
+            verdict, committed_digest = await self._resynced_verdict(request, context, traffic)
         self.verifier_length = verdict.context_length
-        return VerifyCall(verdict, time.perf_counter() - started, bytes_sent, len(response.content), resynced)
+        self.checked_digest = (verdict.context_length, committed_digest)
+        return VerifyCall(verdict, time.perf_counter() - started, traffic.bytes_sent, traffic.bytes_received, resynced)
+
+    async def _resynced_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> tuple[VerifyResponse, str]:
+        """The resent call's verdict; when none comes, a verifier replaced by one of another wire
+        version is named as such (503), not taken for a bug of ours (500) or a bad gateway (502)."""
+        try:
+            return await self._trusted_verdict(request, context, traffic)
+        except SessionLostError as error:
+            await self.client.raise_if_incompatible()
+            raise VerifierProtocolError("the verifier answered 409 to a call carrying the whole context") from error
+        except VerifierProtocolError:
+            await self.client.raise_if_incompatible()
+            raise
+        except UntrustedAnswerError as error:
+            await self.client.raise_if_incompatible()
+            raise BadGatewayError(
+                f"no valid answer from the verifier at {self.client.base_url} ({error}); nothing of it was emitted",
+                code=BAD_RESPONSE_CODE,
+            ) from None
+
+    async def _trusted_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> tuple[VerifyResponse, str]:
+        """The verdict of ``request``, the same call posted again while answers fail the checks
+        (``ClientSettings.retries`` times): the verifier replays its answer from memory."""
+        fingerprint = request.fingerprint()
+        failure = UntrustedAnswerError("no answer")
+        for attempt in range(self.client.settings.retries + 1):
+            response, bytes_sent = await self.client.post_verify(request)
+            traffic.add(bytes_sent, len(response.content))
+            try:
+                return checked_verdict(response, request, fingerprint, context)
+            except UntrustedAnswerError as error:
+                logger.debug("session %s: verify answer rejected (%s)", self.session_id, error)
+                failure = error
+            if attempt < self.client.settings.retries:
+                await asyncio.sleep(self.client.settings.backoff_s * 2**attempt)
+        raise failure
 
     def close(self) -> None:
         if self.has_called:
@@ -194,16 +304,67 @@ class VerifierSession:
 
     def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None) -> VerifyRequest:
         known = self.verifier_length
+        checked_length, checked_digest = self.checked_digest
         return VerifyRequest(
             session_id=self.session_id,
             prefix_length=known,
-            prefix_digest=context_digest(context[:known]),
+            prefix_digest=checked_digest if known == checked_length else context_digest(context[:known]),
             new_tokens=context[known:],
             draft_tokens=block.token_ids,
             draft_probs=block.probs,
             sampling=WireSampling.from_config(sampling),
             num_top_logprobs=num_top_logprobs,
         )
+
+
+BAD_RESPONSE_CODE = "verifier_bad_response"
+
+
+@dataclass
+class Traffic:
+    """Bytes one verify exchange moved, over all its attempts."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.bytes_sent += sent
+        self.bytes_received += received
+
+
+def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprint: str, context: list[int]) -> tuple[VerifyResponse, str]:
+    """The verdict in ``response`` if it passes every check, with the context_digest of the
+    committed context after it (the next call's prefix_digest); raises UntrustedAnswerError for an
+    answer to treat as lost, SessionLostError for a 409 resync, VerifierProtocolError for a
+    refusal of the call itself (a 4xx: a bug on our side).
+
+    ``context``: the edge's own committed context the call continues. The digest binds the
+    verdict to ``fingerprint`` (this request) and to context + accepted + next: a rewritten
+    ``next_token`` or ``num_accepted``, a flipped bit, a stale or foreign answer all fail it."""
+    if response.status_code == 409 and _error_code(response) == SESSION_RESYNC_CODE:
+        raise SessionLostError()
+    if response.status_code >= 500:
+        raise UntrustedAnswerError(f"HTTP {response.status_code}")
+    if response.status_code != 200:
+        raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
+    try:
+        verdict = VerifyResponse.model_validate_json(response.content)
+    except ValueError as error:  # pydantic's ValidationError: not JSON, or not a verdict
+        raise UntrustedAnswerError(f"invalid answer: {str(error).splitlines()[0]}") from None
+    if verdict.session_id != request.session_id or not 0 <= verdict.num_accepted <= len(request.draft_tokens):
+        raise UntrustedAnswerError("an answer for another call")
+    committed_digest = context_digest(committed_after(context, request, verdict))
+    expected = verdict_digest(fingerprint, verdict, committed_digest)
+    if not hmac.compare_digest(expected, verdict.verdict_digest):
+        raise UntrustedAnswerError("verdict digest mismatch")
+    if request.num_top_logprobs is not None and not has_logprobs(verdict):
+        raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
+    return verdict, committed_digest
+
+
+def committed_after(context: list[int], request: VerifyRequest, verdict: VerifyResponse) -> list[int]:
+    """The committed context once the verdict is taken: context + accepted drafts + next token."""
+    return context + request.draft_tokens[: verdict.num_accepted] + [verdict.next_token]
 
 
 def has_logprobs(verdict: VerifyResponse) -> bool:

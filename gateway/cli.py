@@ -68,7 +68,6 @@ def ordered_fields(settings_class: type[BaseSettings]) -> list[str]:
 
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
     env_prefix = settings_class.model_config.get("env_prefix", "")
-    renamed: dict[str, str] = getattr(settings_class, "RENAMED", {})
     for name in ordered_fields(settings_class):
         field = settings_class.model_fields[name]
         env_name = f"{env_prefix}{name}".upper()
@@ -79,14 +78,11 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type
         # normalise, e.g. INFO -> info) and its message names the flag.
         values = allowed_values(field.annotation)
         choices = f" One of: {', '.join(values)}." if values else ""
-        old_names = [old for old, new in renamed.items() if new == name]
-        formerly = f" Formerly {', '.join(flag_name(old) for old in old_names)} (still accepted)." if old_names else ""
         parser.add_argument(
             flag_name(name),
-            *[flag_name(old) for old in old_names],
             dest=name,
             default=argparse.SUPPRESS,
-            help=f"{plain_text(field.description or '')}{choices}{formerly} [env {env_name}; default {default}]",
+            help=f"{plain_text(field.description or '')}{choices} [env {env_name}; default {default}]",
             **switch,
         )
         if field.annotation is bool:

@@ -2,7 +2,7 @@
 answer every failure in the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
 
 Honest codes: the client's mistakes are 4xx, our faults 500, an unreachable or failing cloud
-503, overload 429.
+503, a cloud whose answers stay garbled or fail their integrity check 502, overload 429.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ class ServiceUnavailableError(GatewayError):
     """The model is still loading, or the verifier cannot be reached."""
 
 
+class BadGatewayError(GatewayError):
+    """The verifier answered, but every answer was garbled, invalid, failed its integrity check
+    or was a server error (code ``verifier_bad_response``): no token of it was emitted."""
+
+
 # exception kind -> (OpenAI error type, HTTP status)
 ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     InvalidRequestError: ("invalid_request_error", 400),
@@ -72,6 +77,7 @@ ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     RequestTooLargeError: ("invalid_request_error", 413),
     OverloadedError: ("rate_limit_error", 429),
     ServiceUnavailableError: ("service_unavailable_error", 503),
+    BadGatewayError: ("bad_gateway_error", 502),
     Exception: ("server_error", 500),
 }
 
@@ -128,7 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         body = ErrorBody(message=str(error.detail), type=_http_error_type(error.status_code))
-        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=error.status_code)
+        # Starlette's 405 carries the route's methods in Allow (RFC 9110 requires it): keep its headers.
+        return JSONResponse(ErrorResponse(error=body).model_dump(), status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(GatewayError)
     async def _on_gateway_error(request: Request, error: GatewayError) -> JSONResponse:

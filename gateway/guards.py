@@ -24,7 +24,7 @@ def install_guards(app: FastAPI, settings: ServiceSettings, host: str, trusted_h
     check_exposure(host, api_keys, settings.allow_no_auth)
     app.state.request_limits = settings.request_limits()
     app.state.drain = Drain(settings.shutdown_grace_s)
-    install_openapi(app, requires_key=bool(api_keys))
+    install_openapi(app, requires_key=bool(api_keys), max_tokens_cap=app.state.request_limits.max_tokens_cap)
     app.add_middleware(ConcurrencyLimitMiddleware, max_concurrent=settings.max_concurrent_requests, paths=GENERATION_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, open_paths=open_paths(settings.metrics_require_key))

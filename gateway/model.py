@@ -8,7 +8,8 @@ It also holds the one context-limit rule. A sequence the target holds never exce
 - a verify call: the committed context plus the drafted block, the tokens the forward is fed.
   The next token the call returns is emitted, not fed, so a block may end exactly at the limit.
   That is what lets the edge finish a budget that ends at the limit: with one token left it
-  still sends one drafted token (the wire refuses empty blocks), and context + 1 = the limit.
+  still sends one drafted token (only a generation's first, prompt-only call carries an empty
+  block), and context + 1 = the limit.
 
 Example, max_context_length 32: a 30-token prompt may ask for max_tokens 2, not 3; a verify
 call with 29 committed tokens may carry 3 drafted tokens (32 fed), not 4.
@@ -26,8 +27,8 @@ from gateway.errors import InvalidRequestError
 
 LogprobsSupport = Literal["none", "greedy", "all"]
 """Which requests an engine can report exact logprobs for: all, greedy ones only (the vLLM
-backend's sample_match route samples inside vLLM and never sees the distribution), or none (a
-verifier from before logprobs)."""
+backend's sample_match route samples inside vLLM and never sees the distribution), or none (what
+a verifier's /health says while it is still loading its model)."""
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 

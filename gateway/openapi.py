@@ -16,6 +16,7 @@ ERROR_DESCRIPTIONS = {
     409: "Verifier session out of sync: resend the full context.",
     413: "Request body larger than max_request_bytes.",
     429: "Too many requests at once (see Retry-After), or no room for the session.",
+    502: "The verifier's answers stayed garbled, invalid or failed their integrity check (edge).",
     503: "Model loading, verifier unreachable, or service shutting down.",
 }
 
@@ -25,17 +26,23 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
     return {status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]} for status in statuses}
 
 
-GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 503)
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 429, 502, 503)
 
 
-def install_openapi(app: FastAPI, requires_key: bool) -> None:
-    """Drop FastAPI's 422 (validation errors answer 400 here) and, when keys are required,
-    declare Bearer authentication on every route but /health."""
+TOKEN_BUDGET_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def install_openapi(app: FastAPI, requires_key: bool, max_tokens_cap: int | None = None) -> None:
+    """Drop FastAPI's 422 (validation errors answer 400 here), declare the service's
+    ``max_tokens_cap`` as the token budgets' maximum (a request the document allows is one the
+    service takes) and, when keys are required, Bearer authentication on every route but /health."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _drop_validation_error(document)
+            if max_tokens_cap is not None:
+                _declare_token_cap(document, max_tokens_cap)
             if requires_key:
                 _declare_bearer(document)
             app.openapi_schema = document
@@ -51,6 +58,15 @@ def _drop_validation_error(document: dict) -> None:
     schemas = document.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
+
+
+def _declare_token_cap(document: dict, max_tokens_cap: int) -> None:
+    for schema in document.get("components", {}).get("schemas", {}).values():
+        for name in TOKEN_BUDGET_FIELDS:
+            field = schema.get("properties", {}).get(name)
+            for form in (field or {}).get("anyOf", [field] if field else []):
+                if form.get("type") == "integer":
+                    form["maximum"] = max_tokens_cap
 
 
 def _declare_bearer(document: dict) -> None:

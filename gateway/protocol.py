@@ -2,8 +2,11 @@
 
 Unknown request fields are accepted and ignored (clients send many we do not use); the ones we
 do use are validated here, strictly (``max_tokens: true`` or ``stream: "yes"`` are refused, not
-coerced), so a bad value becomes a 400 in the OpenAI error envelope. Text must be valid Unicode:
-JSON can carry a lone UTF-16 surrogate ("a\\ud800b") that no tokenizer can encode.
+coerced), so a bad value becomes a 400 in the OpenAI error envelope. OpenAI's own fields that we
+accept and ignore (``tools``, ``logit_bias``, penalties ...) are type-checked as OpenAI's schema
+types them (``tools: "x"`` is a 400 naming the param). Where the schema says integer, an integral
+number such as ``1.0`` is one (JSON Schema's rule); ``1.5`` and ``true`` are not. Text must be
+valid Unicode: JSON can carry a lone UTF-16 surrogate ("a\\ud800b") that no tokenizer can encode.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from spade_core.params import MAX_SEED, MAX_TEMPERATURE
 
@@ -20,7 +23,36 @@ from spade_core.params import MAX_SEED, MAX_TEMPERATURE
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False, description="0 is greedy; below 1e-5 counts as 0.")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 TopK = Annotated[int, Field(ge=-1, description="Extension: 0 or -1 disables.")]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+# The documented maximum is 2**63 - 1024: MAX_SEED (2**63 - 1) is no double, and a client that
+# writes JSON numbers through doubles reads it as 2**63, past the bound.
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, json_schema_extra={"maximum": 2**63 - 1024})]
+
+
+def integral_number(value: Any) -> Any:
+    """An integral float (``1.0``) as the int it is; anything else unchanged, for the strict int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer as OpenAI's schema (JSON Schema) means it: 1 and 1.0, not 1.5 nor true. Written
+# after a field's bounds (``Annotated[int, Field(ge=1), AsInteger]``), so the schema keeps them.
+AsInteger = BeforeValidator(integral_number)
+JsonInt = Annotated[int, AsInteger]
+
+
+def narrowed_to(string: dict[str, Any], array: dict[str, Any]):
+    """A ``json_schema_extra`` that declares a ``str | list[...] | None`` field's bounds (which a
+    validator enforces, with a message naming the field) on the schema's string and array forms."""
+
+    def narrow(schema: dict[str, Any]) -> None:
+        for form in schema.get("anyOf", []):
+            form.update(string if form.get("type") == "string" else array if form.get("type") == "array" else {})
+
+    return narrow
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 MAX_TOP_LOGPROBS = 20
 """Alternatives per token: chat's ``top_logprobs`` (OpenAI's bound), and the wire's."""
@@ -96,16 +128,25 @@ class _GenerationFields(UnicodeChecked):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), AsInteger] | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: TopK = 0
-    seed: Seed | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
+    top_k: Annotated[TopK, AsInteger] = 0
+    seed: Annotated[Seed, AsInteger] | None = None
+    stop: str | list[str] | None = Field(
+        None,
+        json_schema_extra=narrowed_to(
+            {"minLength": 1, "maxLength": MAX_STOP_LENGTH}, {"maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}}
+        ),
+    )
+    n: Annotated[int, Field(ge=1, json_schema_extra={"maximum": 1}, description="Only 1 (400 otherwise)."), AsInteger] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Accepted and ignored (as OpenAI's schema types them, so a wrong type is still a 400):
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[int, Field(ge=-100, le=100), AsInteger]] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -129,12 +170,32 @@ class _GenerationFields(UnicodeChecked):
 
 
 class ChatCompletionRequest(_GenerationFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = Field(default=False, description="Return each output token's log-probability.")
-    top_logprobs: int | None = Field(
-        default=None, ge=0, le=MAX_TOP_LOGPROBS, description="Also its most likely alternatives (needs logprobs: true)."
+    # top_logprobs needs logprobs: true (OpenAI's rule, enforced below): declared in the schema too.
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {"not": {"required": ["top_logprobs"]}},
+                {"properties": {"top_logprobs": {"type": "null"}}},
+                {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            ]
+        },
     )
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1), AsInteger] | None = None
+    logprobs: bool | None = Field(default=False, description="Return each output token's log-probability.")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), AsInteger] | None = Field(
+        default=None, description="Also its most likely alternatives (needs logprobs: true)."
+    )
+    # Accepted and ignored (no tool calling here), type-checked as OpenAI's schema types them:
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = Field(None, min_length=1)
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    service_tier: str | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -155,14 +216,26 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: str | list[int]
-    echo: bool = False
-    logprobs: int | None = Field(
+    prompt: str | list[JsonInt] = Field(
+        description='Text, or token ids; not empty (OpenAI\'s schema allows "", which a model with no BOS token '
+        "cannot continue: refused with 400, and declared so here).",
+        json_schema_extra=narrowed_to({"minLength": 1}, {"minItems": 1}),
+    )
+    echo: bool = Field(False, json_schema_extra={"const": False}, description="Only false: echo is not supported (400).")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), AsInteger] | None = Field(
         default=None,
-        ge=0,
-        le=MAX_COMPLETION_LOGPROBS,
         description="Return each output token's log-probability and this many most likely alternatives.",
     )
+    # Accepted and ignored, type-checked as OpenAI's schema types them:
+    best_of: Annotated[int, Field(ge=0, le=20), AsInteger] | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: str | list[int]) -> str | list[int]:
+        if len(value) == 0:
+            raise ValueError("the prompt must not be empty")
+        return value
 
     @property
     def token_budget(self) -> int | None:
@@ -212,6 +285,7 @@ FinishReason = Literal["stop", "length"]
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: str | None = Field(None, description="Always null (OpenAI's schema requires the field).")
 
 
 class TopLogprob(BaseModel):
@@ -228,6 +302,7 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = Field(None, description="Always null (OpenAI's schema requires the field).")
 
 
 class CompletionLogprobs(BaseModel):

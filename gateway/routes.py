@@ -14,7 +14,7 @@ from sse_starlette import EventSourceResponse
 from starlette.responses import Response
 
 from gateway.engine import GenerationEngine
-from gateway.errors import ServiceUnavailableError
+from gateway.errors import ModelNotFoundError, ServiceUnavailableError
 from gateway.lifecycle import SHUTDOWN_MARGIN_S, Drain, run_while_wanted
 from gateway.limits import RequestLimits
 from gateway.openapi import GENERATION_ERRORS, error_responses
@@ -59,8 +59,15 @@ def build_openai_router() -> APIRouter:
 
     @router.get("/v1/models", responses=error_responses(401, 503))
     async def list_models(request: Request) -> ModelList:
+        return ModelList(data=[_model_card(current_engine(request))])
+
+    @router.get("/v1/models/{model_id:path}", responses=error_responses(401, 404, 503))
+    async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+        """OpenAI's ``models.retrieve``: the served model, or 404 for any other id (a model id may hold '/')."""
         engine = current_engine(request)
-        return ModelList(data=[ModelCard(id=engine.model.model_id, max_model_len=engine.model.max_context_length)])
+        if model_id != engine.model.model_id:
+            raise ModelNotFoundError(f"the model {model_id!r} does not exist here", param="model", code="model_not_found")
+        return _model_card(engine)
 
     metrics_responses: dict[int | str, dict] = {200: {"content": {"text/plain": {}}, "description": "Prometheus metrics."}}
 
@@ -70,6 +77,10 @@ def build_openai_router() -> APIRouter:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return router
+
+
+def _model_card(engine: GenerationEngine) -> ModelCard:
+    return ModelCard(id=engine.model.model_id, max_model_len=engine.model.max_context_length)
 
 
 def _limits(request: Request) -> RequestLimits:

@@ -2,15 +2,19 @@
 and Host checking for a service bound to loopback (DNS rebinding: a web page on another
 origin resolving its own name to 127.0.0.1 must not reach the local edge).
 
-The key check is a pure ASGI middleware, so a stranger is refused before any body is read.
+The key check is a pure ASGI middleware, so a stranger is refused before any body is read. It
+also tells the routes who calls (``caller_key_id``): the verifier keeps each key's sessions
+apart, and /health shows its details only to a caller with a key (where keys are configured).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 from pathlib import Path
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import AuthenticationError, error_response
@@ -18,6 +22,9 @@ from gateway.errors import AuthenticationError, error_response
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 LOOPBACK_HOST_HEADERS = ["localhost", "127.0.0.1", "[::1]"]
 OPEN_PATHS = frozenset({"/health"})
+CALLER_KEY_ID = "caller_key_id"
+"""The request-state entry the key middleware sets: "" without keys configured, the caller's
+``key_id`` with a valid key, None for a stranger on an open path."""
 
 
 def load_api_keys(api_key: str | None, api_key_file: str | None) -> frozenset[str]:
@@ -56,6 +63,21 @@ def bearer_token(scope: Scope) -> bytes | None:
     return None
 
 
+def key_id(key: bytes) -> str:
+    """A name for a key that reveals nothing of it (a hash): what the verifier files sessions under."""
+    return hashlib.blake2b(key, digest_size=12, person=b"spade-key-id").hexdigest()
+
+
+def caller_key_id(request: Request) -> str | None:
+    """The caller's key id ("" where no keys are configured, None for a caller without a valid key)."""
+    return getattr(request.state, CALLER_KEY_ID, "")
+
+
+def is_trusted_caller(request: Request) -> bool:
+    """No keys are configured, or the caller presented a valid one."""
+    return caller_key_id(request) is not None
+
+
 def is_valid_key(presented: bytes | None, api_keys: frozenset[bytes]) -> bool:
     """Constant-time comparison against every key (no early exit on the first match)."""
     if presented is None:
@@ -76,11 +98,13 @@ class ApiKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.api_keys or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or not self.api_keys:
             await self.app(scope, receive, send)
             return
         presented = bearer_token(scope)
-        if is_valid_key(presented, self.api_keys):
+        is_valid = is_valid_key(presented, self.api_keys)
+        scope.setdefault("state", {})[CALLER_KEY_ID] = key_id(presented) if is_valid and presented is not None else None
+        if is_valid or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         reason = "missing API key: send 'Authorization: Bearer <key>'" if presented is None else "invalid API key"

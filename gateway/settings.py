@@ -1,20 +1,14 @@
 """Settings both services share: where they listen, how they run their model, who may call
 them, how much one request may ask, and how they stop. ``VerifierSettings`` and ``EdgeSettings``
 inherit these fields, so each is a flag and an env var of both services (``--api-key``,
-SPADE_VERIFIER_API_KEY / SPADE_EDGE_API_KEY).
-
-A setting that was renamed keeps its old spelling: a subclass lists it in ``RENAMED`` (old name
--> new name) and the old flag (``gateway.cli``), the old env var and the old keyword still set
-the new field; the new spelling wins when both are given."""
+SPADE_VERIFIER_API_KEY / SPADE_EDGE_API_KEY)."""
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings
 
 if TYPE_CHECKING:  # the settings module stays light: a CLI's --help imports it and nothing heavy
     from gateway.limits import RequestLimits
@@ -22,24 +16,7 @@ if TYPE_CHECKING:  # the settings module stays light: a CLI's --help imports it 
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 
 
-class RenamedEnvSource(PydanticBaseSettingsSource):
-    """The old env var of each renamed setting (SPADE_VERIFIER_MAX_DRAFT_TOKENS for
-    max_draft_length), read below the new one."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # the whole work is in __call__
-
-    def __call__(self) -> dict[str, Any]:
-        prefix = self.settings_cls.model_config.get("env_prefix", "")
-        renamed: dict[str, str] = getattr(self.settings_cls, "RENAMED", {})
-        environment = {name.upper(): value for name, value in os.environ.items()}
-        return {new: environment[f"{prefix}{old}".upper()] for old, new in renamed.items() if f"{prefix}{old}".upper() in environment}
-
-
 class ServiceSettings(BaseSettings):
-    RENAMED: ClassVar[dict[str, str]] = {}
-    """Old setting name -> new name; the old flag, env var and keyword keep working."""
-
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     device: str = Field("cpu", description="cpu, cuda, cuda:N or mps.")
@@ -98,24 +75,6 @@ class ServiceSettings(BaseSettings):
         "info",
         description="Logging level of the service and its web server (any case).",
     )
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, RenamedEnvSource(settings_cls), dotenv_settings, file_secret_settings
-
-    def __init__(self, **values: Any) -> None:
-        """An old keyword sets the new field (above the environment), unless the new one is given too."""
-        for old, new in self.RENAMED.items():
-            if old in values:
-                values.setdefault(new, values.pop(old))
-        super().__init__(**values)
 
     @field_validator("log_level", mode="before")
     @classmethod

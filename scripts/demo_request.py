@@ -70,10 +70,17 @@ def describe_edge(base_url: str) -> str:
         health = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/health", timeout=5).json()
     except (httpx.HTTPError, ValueError):
         return "edge: /health did not answer"
+    return edge_description(health)
+
+
+def edge_description(health: dict) -> str:
+    """The line ``describe_edge`` prints for the edge's /health body."""
     parts = [f"draft {health.get('draft_model', '?')}"]
     if health.get("draft_backend"):
         parts.append(f"on {health['draft_backend']}")
-    if health.get("draft_length") is not None:
+    if health.get("draft_length") == "auto":
+        parts.append("draft length auto (chosen before each block)")
+    elif health.get("draft_length") is not None:
         parts.append(f"draft length {health['draft_length']}")
     if health.get("overlap") is not None:
         parts.append("overlapped with verification" if health["overlap"] else "drafting and verifying in turn")

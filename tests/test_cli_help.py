@@ -176,12 +176,33 @@ def test_demo_help_prints_usage_and_starts_nothing():
     assert "scripts/demo --no-baseline" in result.stdout
 
 
-# Every flag and env var the services took before their settings shared a base class and the
-# draft length got one name (README's configuration tables, 2026-12-03): each still sets its
-# setting. --max-draft-tokens is the verifier's --max-draft-length under its old name.
-OLD_FLAGS = {
+def test_the_demo_drafts_as_a_default_edge_does_and_its_line_says_so(monkeypatch):
+    """A user who sets nothing gets the best measured draft length (README, Results): the edge's
+    default, the demo's, and the line the demo prints about the edge."""
+    import importlib.util
+    import re
+
+    from edge_agent.settings import EdgeSettings
+
+    edge_default = EdgeSettings.model_fields["draft_length"].default
+    demo_default = re.search(r"DRAFT_LENGTH=\$\{SPADE_DEMO_DRAFT_LENGTH:-(\w+)\}", (ROOT / "scripts" / "demo").read_text())
+    assert demo_default is not None and demo_default.group(1) == edge_default == "auto"
+    spec = importlib.util.spec_from_file_location("demo_request", ROOT / "scripts" / "demo_request.py")
+    assert spec is not None and spec.loader is not None
+    demo_request = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo_request", demo_request)  # its dataclasses look their module up
+    spec.loader.exec_module(demo_request)
+    health = {"draft_model": "qwen", "draft_backend": "llamacpp", "draft_length": edge_default, "overlap": True}
+    assert demo_request.edge_description(health) == (
+        "edge: draft qwen, on llamacpp, draft length auto (chosen before each block), overlapped with verification"
+    )
+
+
+# Every flag the services take (README's configuration tables): none lost when their settings
+# came to share a base class.
+SERVICE_FLAGS = {
     "spade-verifier": (
-        "model gguf-file served-model-name backend host port device dtype threads max-context-length max-draft-tokens "
+        "model gguf-file served-model-name backend host port device dtype threads max-context-length max-draft-length "
         "max-draft-support fast-kernels batch-invariant max-batch-sessions batch-wait-ms max-kv-cache-bytes max-sessions "
         "max-session-tokens session-ttl-s vllm-block-size vllm-kv-cache-gib vllm-exact-route log-level"
     ),
@@ -210,30 +231,23 @@ def settings_parser(script: str):
     return parser, settings_class
 
 
-@pytest.mark.parametrize("script", sorted(OLD_FLAGS))
-def test_every_earlier_flag_is_still_accepted(script):
+@pytest.mark.parametrize("script", sorted(SERVICE_FLAGS))
+def test_every_documented_flag_is_accepted(script):
     parser, _ = settings_parser(script)
-    missing = [flag for flag in (OLD_FLAGS[script] + " " + SHARED_FLAGS).split() if f"--{flag}" not in parser._option_string_actions]
+    missing = [flag for flag in (SERVICE_FLAGS[script] + " " + SHARED_FLAGS).split() if f"--{flag}" not in parser._option_string_actions]
     assert missing == []
 
 
-@pytest.mark.parametrize("flag", ["--max-draft-length", "--max-draft-tokens"])
-def test_the_verifiers_draft_length_limit_takes_its_old_flag(flag):
+def test_the_verifiers_draft_length_limit_has_one_spelling(capsys):
+    """Unreleased, the project keeps no old spelling (README, "Compatibility"): the name the
+    limit had before, --max-draft-tokens, is an unknown flag."""
     from gateway.cli import settings_from_arguments
 
     parser, settings_class = settings_parser("spade-verifier")
-    assert settings_from_arguments(parser, parser.parse_args([flag, "3"]), settings_class).max_draft_length == 3
-
-
-def test_the_old_env_var_and_keyword_still_set_it_and_the_new_spelling_wins(monkeypatch):
-    from verifier_service.settings import VerifierSettings
-
-    monkeypatch.setenv("SPADE_VERIFIER_MAX_DRAFT_TOKENS", "5")
-    assert VerifierSettings().max_draft_length == 5
-    monkeypatch.setenv("SPADE_VERIFIER_MAX_DRAFT_LENGTH", "6")
-    assert VerifierSettings().max_draft_length == 6
-    assert VerifierSettings(max_draft_tokens=7).max_draft_length == 7
-    assert VerifierSettings(max_draft_tokens=7, max_draft_length=8).max_draft_length == 8
+    assert settings_from_arguments(parser, parser.parse_args(["--max-draft-length", "3"]), settings_class).max_draft_length == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-draft-tokens", "3"])
+    assert "unrecognized arguments: --max-draft-tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("field", ["host", "port", "device", "dtype", "threads", "gguf_file"])

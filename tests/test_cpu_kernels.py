@@ -18,9 +18,12 @@ batch-invariant mode.
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 import re
+import shutil
+import subprocess
 import sys
 
 import openai
@@ -36,8 +39,12 @@ from servers import serve
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends.cpu_kernels import (
+    COMPILE_TIMEOUT_S,
+    ISA_FLAGS,
+    KERNEL_SOURCE,
     apply_cpu_kernels,
     can_pack,
+    compile_command,
     load_kernel_library,
     pack_weight,
     prefault_for_writing,
@@ -267,6 +274,35 @@ def test_every_linear_layer_of_the_model_goes_through_the_kernel(model, library)
     patch = apply_cpu_kernels(model, library, batch_invariant=False)
     num_linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
     assert (patch.num_linears, patch.linear_path, patch.attention) == (num_linears, f"kernel-{library.isa.lower()}", "spade_gqa")
+
+
+def system_compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the kernel is built for x86 with gcc/cc")
+    return compiler
+
+
+@pytest.mark.parametrize("openmp", [True, False], ids=["openmp", "one-thread"])
+@pytest.mark.parametrize("isa", sorted(ISA_FLAGS))
+def test_the_kernel_compiles_without_a_warning(tmp_path, isa, openmp):
+    """The very build the verifier runs (-Wall -Wextra), for both ISAs (compiling needs no such
+    CPU) and both with OpenMP and without (the fallback build): the compiler prints nothing."""
+    command = compile_command(system_compiler(), ISA_FLAGS[isa], str(tmp_path / "kernel.so"), openmp)
+    assert {"-Wall", "-Wextra"} <= set(command)
+    build = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    assert (build.returncode, build.stderr) == (0, "")
+
+
+def test_the_kernel_exports_exactly_what_the_python_side_calls(library):
+    """No unused export: the library's defined functions are the ``library.spade_*`` the loader
+    binds and calls."""
+    if shutil.which("nm") is None:
+        pytest.skip("nm (binutils) lists the library's symbols")
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(library.path)], capture_output=True, text=True, check=True).stdout
+    exported = {fields[2] for fields in map(str.split, listing.splitlines()) if len(fields) == 3 and fields[1] == "T"}
+    called = set(re.findall(r"library\.(spade_\w+)", KERNEL_SOURCE.with_suffix(".py").read_text()))
+    assert exported == called == {"spade_linear", "spade_packed_linear", "spade_panel_width"}
 
 
 def test_kernels_are_not_applied_off_float32(tiny_pair):

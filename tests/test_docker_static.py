@@ -131,6 +131,15 @@ def test_the_default_pair_is_served(compose):
         assert flags(compose["services"][edge]["command"])["draft_model"] == DEFAULT_DRAFT
 
 
+@pytest.mark.parametrize("edge", ["edge", "edge-remote", "edge-pool"])
+def test_the_edges_draft_as_a_default_edge_does(compose, edge):
+    """Unset, SPADE_EDGE_DRAFT_LENGTH gives the edge's own default, the best measured (README, Results)."""
+    from edge_agent.settings import EdgeSettings
+
+    draft_length = interpolate(compose["services"][edge]["environment"]["SPADE_EDGE_DRAFT_LENGTH"])
+    assert draft_length == EdgeSettings.model_fields["draft_length"].default == "auto"
+
+
 @pytest.mark.parametrize(("edge", "verifier"), [("edge", "verifier"), ("edge-pool", "verifier-pool")])
 def test_the_edge_reaches_its_verifier_by_service_name(compose, edge, verifier):
     spec = compose["services"][edge]

@@ -16,7 +16,9 @@ import httpx
 import openai
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
+from edge_agent.health import EdgeHealth
 from edge_support import DONE, edge_app, json_chunks, metric_value, sse_payloads, stream_payloads, verifier_app
 from servers import serve
 
@@ -335,8 +337,24 @@ def test_unknown_request_fields_are_ignored(client, greedy_text):
 def test_health_is_ok_and_names_the_target_and_verifier(urls):
     verifier_url, edge_url = urls
     response = httpx.get(edge_url + "/health", timeout=10)
-    body = response.json()
-    assert (response.status_code, body["status"], body["model"], body["verifier_url"]) == (200, "ok", MODEL, verifier_url)
+    health = EdgeHealth.model_validate_json(response.content)
+    assert (response.status_code, health.status, health.verifier) == (200, "ok", "ok")
+    assert (health.model, health.verifier_url) == (MODEL, verifier_url)
+    assert (health.draft_length, health.prefill_first, health.fallback) == (3, True, "error")
+    assert set(response.json()) == set(EdgeHealth.model_fields)  # every field, none null once loaded
+
+
+def test_health_is_typed_in_the_openapi_schema(edge_url):
+    get = httpx.get(edge_url + "/openapi.json", timeout=10).json()["paths"]["/health"]["get"]
+    schemas = {code: answer["content"]["application/json"]["schema"]["$ref"] for code, answer in get["responses"].items()}
+    assert schemas == {"200": "#/components/schemas/EdgeHealth", "503": "#/components/schemas/EdgeHealth"}
+
+
+def test_health_while_loading_is_503_with_the_status_alone(tiny_pair):
+    app = edge_app(tiny_pair, "http://127.0.0.1:9")  # no lifespan run: the draft never loads
+    response = TestClient(app, base_url="http://127.0.0.1").get("/health")
+    assert (response.status_code, response.json()) == (503, {"status": "loading"})
+    assert EdgeHealth.model_validate(response.json()).status == "loading"
 
 
 def test_metrics_counters_increase_by_what_a_request_did(client, edge_url):

@@ -8,8 +8,8 @@ Specification:
   the first token (a hit starts the next block); with overlap off the draft waits for it.
 - It counts as a verify call with 0 drafted tokens, and the adaptive block length learns
   nothing from it (its verifier time is the target's prefill, not a block's).
-- A verifier whose /health lacks ``accepts_empty_block`` (older: it refuses an empty block
-  with 400), or ``--no-prefill-first``, gets a drafted block first, as before.
+- With ``--no-prefill-first`` the first call carries a drafted block (every verifier of this
+  wire version takes an empty block: whether to send one is the edge's setting alone).
 - With ``--fallback draft`` and the verifier unreachable, the failed prompt-only call is
   followed by a drafted block, served unverified.
 - Seeds: the empty block's token at position n is drawn with position n's seeded draw, the very
@@ -21,17 +21,15 @@ Specification:
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
 from edge_agent.draft_length import AdaptiveDraftLength
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
-from edge_support import RecordingTransport, in_process_engine
+from edge_support import in_process_engine
 from gateway.engine import GenerationRequest
 from gateway.errors import ServiceUnavailableError
 from gateway.protocol import SpadeStats
@@ -68,15 +66,6 @@ class PrefillTimingVerifier(ScriptedVerifier):
         return dataclasses.replace(call, verdict=call.verdict.model_copy(update={"timings": timings}))
 
 
-class OlderVerifier(ScriptedVerifier):
-    """Refuses an empty block, as a verifier from before prefill-first does (a 400)."""
-
-    async def verify(self, context, block, sampling, num_top_logprobs=None) -> VerifyCall:
-        if not block.token_ids:
-            raise AssertionError("an empty block sent to a verifier that refuses it")
-        return await super().verify(context, block, sampling, num_top_logprobs)
-
-
 @dataclass
 class UnreachableVerifier(ScriptedVerifier):
     """Every call fails as an unreachable verifier does; the blocks tried are kept."""
@@ -88,9 +77,7 @@ class UnreachableVerifier(ScriptedVerifier):
         raise ServiceUnavailableError("the verifier is gone", code="verifier_unavailable")
 
 
-def _engine(
-    drafter, verifier, *, overlap=True, prefill_first=True, accepts_empty_block=True, draft_length=None, fallback=False, metrics=None
-):
+def _engine(drafter, verifier, *, overlap=True, prefill_first=True, draft_length=None, fallback=False, metrics=None):
     return scripted_engine(
         drafter,
         verifier,
@@ -98,7 +85,7 @@ def _engine(
         metrics,
         fallback_to_draft=fallback,
         overlap=overlap,
-        prefill_first=prefill_first and accepts_empty_block,  # as edge_agent.app decides from /health
+        prefill_first=prefill_first,
     )
 
 
@@ -200,13 +187,12 @@ async def test_the_adaptive_length_learns_nothing_from_the_prompt_only_call():
     assert max(average for average, _ in shared.verify_curve.points.values()) < PREFILL_S / 100
 
 
-# --- when not to: an older verifier, the setting off ----------------------------------------------
+# --- when not to: the setting off ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("prefill_first", "accepts_empty_block"), [(True, False), (False, True)], ids=["older-verifier", "setting-off"])
-async def test_otherwise_the_first_call_carries_a_drafted_block(prefill_first, accepts_empty_block):
-    verifier = OlderVerifier(latency_s=0.01)
-    engine = _engine(ScriptedDrafter(), verifier, prefill_first=prefill_first, accepts_empty_block=accepts_empty_block)
+async def test_with_the_setting_off_the_first_call_carries_a_drafted_block():
+    verifier = ScriptedVerifier(latency_s=0.01)
+    engine = _engine(ScriptedDrafter(), verifier, prefill_first=False)
     assert not engine.prefill_first
     tokens, _ = await generate(engine, 20)
     assert tokens == target_continuation(PROMPT, 20)
@@ -273,36 +259,7 @@ async def test_without_prefill_first_the_first_token_goes_through_the_acceptance
     assert all(body["draft_tokens"] for body in bodies)
 
 
-class OlderVerifierTransport(RecordingTransport):
-    """The verifier as one from before prefill-first: its /health lacks ``accepts_empty_block``
-    and it refuses an empty block with a 400 in the envelope."""
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/verify" and json.loads(request.content)["draft_tokens"] == []:
-            error = {"message": "draft_tokens must hold at least one token", "type": "invalid_request_error", "param": "draft_tokens"}
-            return httpx.Response(400, json={"error": error | {"code": None}})
-        response = await super().handle_async_request(request)
-        if request.url.path != "/health":
-            return response
-        health = json.loads(await response.aread())
-        del health["accepts_empty_block"]
-        return httpx.Response(response.status_code, json=health)
-
-
-async def test_against_an_older_verifier_the_edge_sends_a_drafted_block_first(tiny_pair):
-    async with in_process_engine(tiny_pair, transport_class=OlderVerifierTransport) as stack:
-        assert not stack.engine.prefill_first
-        prompt = stack.engine.tokenizer.encode("The edge drafts")
-        request = GenerationRequest("older", prompt, 12, GREEDY, stack.engine.model.eos_token_ids)
-        stats = SpadeStats()
-        tokens = [token async for batch in stack.engine.generate(request, stats) for token in batch.token_ids]
-        reference = [token async for batch in stack.verifier.state.engine.generate(request, SpadeStats()) for token in batch.token_ids]
-    assert tokens == reference
-    assert stack.transport.verify_bodies and all(body["draft_tokens"] for body in stack.transport.verify_bodies)
-
-
-async def test_against_this_verifier_the_edge_uses_it(tiny_pair):
-    """The same stack without the older verifier's /health: the positive control of the one above."""
+async def test_against_a_real_verifier_the_first_call_is_prompt_only(tiny_pair):
     async with in_process_engine(tiny_pair) as stack:
         assert stack.engine.prefill_first
         prompt = stack.engine.tokenizer.encode("The edge drafts")

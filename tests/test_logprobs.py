@@ -48,7 +48,6 @@ from servers import serve
 from spade_core.params import SamplingConfig
 from spade_core.sampling import processed_probs
 from spade_models.tiny import TinyPairSpec, build_tokenizer
-from verifier_service.protocol import VerifierHealth
 from verifier_support import greedy_continuation, plain_forward_logits, running_client
 from verifier_support import verifier_app as small_verifier_app
 
@@ -390,14 +389,14 @@ async def test_a_stop_string_cuts_the_reports_with_the_text(letters):
     app = gateway_app(ScriptedEngine(letters, ["a", "b", "c", "d"]))
     whole = (await post(app, "/v1/chat/completions", chat_body(stop="c"))).json()["choices"][0]
     assert (whole["message"]["content"], whole["finish_reason"]) == ("a b ", "stop")
-    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)]}
+    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)], "refusal": None}
     streamed = events(await post(app, "/v1/chat/completions", chat_body(stop="c", stream=True)))
     contents = [(event["choices"][0]["delta"].get("content"), event["choices"][0]["logprobs"]) for event in streamed]
     assert contents == [
         (None, None),  # the role chunk
-        ("a", {"content": [entry("a", -1.0)]}),
-        (" b", {"content": [entry("b", -2.0)]}),
-        (" ", {"content": []}),
+        ("a", {"content": [entry("a", -1.0)], "refusal": None}),
+        (" b", {"content": [entry("b", -2.0)], "refusal": None}),
+        (" ", {"content": [], "refusal": None}),
         (None, None),  # the finish chunk
     ]
 
@@ -419,7 +418,7 @@ async def test_the_eos_token_is_not_reported(letters):
     app = gateway_app(ScriptedEngine(letters, ["a", "b", "<|im_end|>"]))
     whole = (await post(app, "/v1/chat/completions", chat_body())).json()["choices"][0]
     assert (whole["message"]["content"], whole["finish_reason"]) == ("a b", "stop")
-    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)]}
+    assert whole["logprobs"] == {"content": [entry("a", -1.0), entry("b", -2.0)], "refusal": None}
 
 
 async def test_completion_logprobs_list_the_chosen_token_with_its_alternatives_and_offsets(letters):
@@ -507,11 +506,8 @@ def test_the_verify_wire_bounds_num_top_logprobs(urls):
         assert (response.status_code, response.json()["error"]["param"]) == (400, "num_top_logprobs")
 
 
-def test_the_verifier_says_which_calls_may_ask_and_an_older_one_says_none(urls):
+def test_the_verifier_says_which_calls_may_ask(urls):
     assert httpx.get(urls["verifier"] + "/health", timeout=10).json()["logprobs_support"] == "all"
-    health = httpx.get(urls["verifier"] + "/health", timeout=10).json()
-    del health["logprobs_support"]
-    assert VerifierHealth.model_validate(health).logprobs_support == "none"
 
 
 def test_a_verifier_that_cannot_report_them_refuses_the_call(tiny_pair, monkeypatch):

@@ -7,11 +7,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.errors import InvalidRequestError
 from gateway.model import ModelDescription
 from spade_models.loader import eos_token_ids
-from verifier_service.protocol import VerifierHealth, described_model, health_fields
+from verifier_service.protocol import WIRE_VERSION, VerifierHealth, described_model, health_fields
 
 MODEL = ModelDescription("target", 384, 32, frozenset({9, 2}), "f1ngerprint", "greedy")
 
@@ -38,13 +39,16 @@ def test_the_context_limit_rule_at_its_boundary(num_held, num_added, fits):
     assert f"needs {num_held + num_added}" in refused.value.message
 
 
+HEALTH_LIMITS = {"status": "ok", "wire_version": WIRE_VERSION, "max_draft_length": 8, "max_draft_support": 16, "backend": "vllm"}
+
+
 def test_the_description_round_trips_through_the_health_json():
-    health = VerifierHealth(status="ok", **health_fields(MODEL), max_draft_tokens=8, max_draft_support=16, backend="vllm")
+    health = VerifierHealth(**health_fields(MODEL), **HEALTH_LIMITS)
     assert described_model(VerifierHealth.model_validate_json(health.model_dump_json())) == MODEL
 
 
-def test_the_health_json_keeps_the_wire_shape_an_older_edge_reads():
-    body = VerifierHealth(status="ok", **health_fields(MODEL), max_draft_tokens=8, max_draft_support=16, backend="vllm").model_dump()
+def test_the_health_json_carries_the_description_under_its_wire_names():
+    body = VerifierHealth(**health_fields(MODEL), **HEALTH_LIMITS).model_dump()
     assert {key: body[key] for key in ("model", "vocab_size", "max_context_length", "eos_token_ids", "tokenizer_fingerprint")} == {
         "model": "target",
         "vocab_size": 384,
@@ -54,10 +58,11 @@ def test_the_health_json_keeps_the_wire_shape_an_older_edge_reads():
     }
 
 
-def test_an_older_verifiers_health_describes_a_model_without_logprobs():
-    body = health_fields(MODEL) | {"status": "ok", "max_draft_tokens": 8, "max_draft_support": 16, "backend": "transformers"}
+def test_a_health_without_logprobs_support_is_refused_not_defaulted():
+    body = health_fields(MODEL) | HEALTH_LIMITS
     del body["logprobs_support"]
-    assert described_model(VerifierHealth.model_validate(body)).logprobs_support == "none"
+    with pytest.raises(ValidationError, match="logprobs_support"):
+        VerifierHealth.model_validate(body)
 
 
 def test_end_tokens_are_the_union_of_both_configs_and_the_tokenizer():

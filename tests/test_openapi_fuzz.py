@@ -1,6 +1,7 @@
 """Both services against their own OpenAPI documents, fuzzed by schemathesis (hypothesis
 underneath) with a valid key, through real servers on loopback: no server error, every status
-documented, every body and content type as documented. Examples are bounded and the budgets
+documented, every body and content type as documented, and no request the document allows
+refused (schemathesis' ST202). Examples are bounded and the budgets
 small (max_tokens capped at 4), so it runs in well under a minute."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    positive_data_acceptance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -22,6 +24,10 @@ from servers import serve
 KEY = "fuzz-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+POSITIVE_EXEMPT = {"POST /v1/verify"}
+"""Operations whose schema cannot say all they refuse: a draft_probs row's token_ids and probs
+must have the same length, which JSON Schema cannot express. Everywhere else a request the
+document allows must not be refused (schemathesis' ST202, positive_data_acceptance)."""
 EXAMPLES_PER_OPERATION = 25
 LIMITS = {"api_key": KEY, "max_tokens_cap": 4, "default_max_tokens": 4, "max_context_length": 64}
 
@@ -55,7 +61,8 @@ def fuzz_operation(operation, url: str, statuses: list[int], failures: list[str]
     )
     def call(case) -> None:
         try:
-            statuses.append(case.call_and_validate(base_url=url, headers=AUTH, checks=CHECKS, timeout=60).status_code)
+            checks = CHECKS if operation.label in POSITIVE_EXEMPT else [*CHECKS, positive_data_acceptance]
+            statuses.append(case.call_and_validate(base_url=url, headers=AUTH, checks=checks, timeout=60).status_code)
         except Exception as error:  # collect all, report together
             failures.append(f"{operation.label}: {type(error).__name__}: {str(error)[:400]}")
 
@@ -70,5 +77,6 @@ def test_fuzzing_the_openapi_document_finds_no_server_error_or_schema_violation(
     statuses: list[int] = []
     for result in schema.get_all_operations():
         fuzz_operation(result.ok(), url, statuses, failures)
-    # Both accepted and refused requests were made (the fuzzing reached the model, not only 400s).
-    assert (failures, 200 in statuses, 400 in statuses) == ([], True, True)
+    # The fuzzing reached the model (not only refusals). Refusals (400) are now rare: the documents
+    # declare the bounds the services enforce, so most generated requests are ones they take.
+    assert (failures, 200 in statuses) == ([], True)

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from servers import serve, wait_until
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms, processed_probs, sample_from
-from verifier_service.protocol import SESSION_RESYNC_CODE, VerifierHealth
+from verifier_service.protocol import SESSION_RESYNC_CODE, WIRE_VERSION, VerifierHealth
 from verifier_support import (
     ENVELOPE_KEYS,
     MAX_DRAFT,
@@ -169,11 +169,11 @@ def test_a_sampled_empty_block_draws_its_positions_target_token(client, model, v
     assert len(set(drawn)) > 1
 
 
-def test_the_verifier_says_it_accepts_an_empty_block_and_an_older_one_does_not(client):
+def test_health_states_the_wire_version_and_the_draft_length_limit_under_one_name_each(client):
     health = client.get("/health").json()
-    assert health["accepts_empty_block"] is True
-    del health["accepts_empty_block"]
-    assert VerifierHealth.model_validate(health).accepts_empty_block is False
+    assert (health["wire_version"], health["max_draft_length"]) == (WIRE_VERSION, client.app.state.settings.max_draft_length)
+    assert VerifierHealth.model_validate(health).model_dump() == health
+    assert set(health) == set(VerifierHealth.model_fields)
 
 
 # --- the cache: no re-prefill -----------------------------------------------------------------

@@ -15,11 +15,20 @@ from gateway.errors import ServiceUnavailableError, install_error_handlers
 from gateway.guards import install_guards
 from gateway.openapi import error_responses
 from gateway.routes import build_openai_router
+from gateway.security import caller_key_id, is_trusted_caller
 from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.protocol import SessionDeleted, VerifierHealth, VerifyRequest, VerifyResponse, health_fields
+from verifier_service.protocol import (
+    WIRE_VERSION,
+    HealthStatus,
+    SessionDeleted,
+    VerifierHealth,
+    VerifyRequest,
+    VerifyResponse,
+    health_fields,
+)
 from verifier_service.service import VerifierService
 from verifier_service.sessions import SessionRegistry
 from verifier_service.settings import VerifierSettings
@@ -87,40 +96,45 @@ def current_service(request: Request) -> VerifierService:
 def _add_verifier_routes(app: FastAPI) -> None:
     @app.post("/v1/verify", responses=error_responses(400, 401, 409, 413, 429, 503))
     async def verify(body: VerifyRequest, request: Request) -> VerifyResponse:
-        return await current_service(request).verify(body)
+        return await current_service(request).verify(body, owner=caller_key_id(request) or "")
 
     @app.delete("/v1/sessions/{session_id}", responses=error_responses(401, 503))
     async def delete_session(session_id: str, request: Request) -> SessionDeleted:
-        return current_service(request).end_session(session_id)
+        return current_service(request).end_session(session_id, owner=caller_key_id(request) or "")
 
     @app.get(
         "/health",
-        response_model=VerifierHealth,
-        responses={503: {"model": VerifierHealth, "description": "Still loading the model."}},
+        response_model=VerifierHealth | HealthStatus,
+        responses={503: {"model": VerifierHealth | HealthStatus, "description": "Still loading the model."}},
+        description="The state, limits and served model; where keys are configured, a caller without a valid key gets the status alone.",
     )
     async def health(request: Request) -> JSONResponse:
         service: VerifierService | None = request.app.state.service
         settings: VerifierSettings = request.app.state.settings
+        if not is_trusted_caller(request):
+            status = HealthStatus(status="loading" if service is None else "ok")
+            return JSONResponse(status.model_dump(), status_code=503 if service is None else 200)
         if service is None:
             body = VerifierHealth(
                 status="loading",
+                wire_version=WIRE_VERSION,
                 model=settings.served_model_name or settings.model,
                 vocab_size=0,
                 tokenizer_fingerprint="",
                 max_context_length=0,
-                max_draft_tokens=settings.max_draft_length,
+                max_draft_length=settings.max_draft_length,
                 max_draft_support=settings.max_draft_support,
                 eos_token_ids=[],
                 backend=settings.backend,
-                accepts_empty_block=True,
+                logprobs_support="none",  # nothing is served while loading
             )
             return JSONResponse(body.model_dump(), status_code=503)
         body = VerifierHealth(
             status="ok",
+            wire_version=WIRE_VERSION,
             **health_fields(service.backend.model),
-            max_draft_tokens=service.limits.max_draft_length,
+            max_draft_length=service.limits.max_draft_length,
             max_draft_support=service.limits.max_draft_support,
             backend=service.backend.name,
-            accepts_empty_block=True,
         )
         return JSONResponse(body.model_dump())

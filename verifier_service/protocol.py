@@ -8,8 +8,6 @@ leaves before the edge has drafted anything (the edge prefills its draft model m
 no drafted token nothing is accepted and ``next_token`` is the target's own next token, drawn
 from its distribution at the last context position with that position's seeded draws, exactly
 as the verifier's target-only routes draw it (a bonus token, ``num_accepted`` 0).
-``VerifierHealth.accepts_empty_block`` says a verifier takes such calls (false from one older
-than the field, which answers them 400).
 
 Session protocol. The verifier keeps, per ``session_id``, the committed context it has seen and
 the target's KV cache over it. After answering a call it appends the accepted drafted tokens and
@@ -24,6 +22,15 @@ Retries. The verifier remembers its last answer per session, keyed by the reques
 fingerprint, so a call repeated after a lost response gets the same answer back instead of
 advancing the session twice.
 
+Integrity. Every verdict carries ``verdict_digest`` (``verdict_digest()``): a digest over the
+call's request fingerprint, the whole verdict (every field but the digest itself and
+``replayed``) and the ``context_digest`` of the verifier's committed context after the call.
+The edge recomputes it from the request it sent, the verdict it read and its OWN context +
+accepted + next before emitting a token: a verdict garbled on the way, meant for another call
+or for another context fails the check and is treated as lost (retried: the verifier replays it
+from memory; then resynced from the edge's context). It is a checksum, not a MAC: it catches
+faults, truncation and rewriting middleboxes, not an attacker on the path (only TLS does).
+
 Example, context c0..c9 committed, the verifier already holds all ten:
     {"session_id": "s", "prefix_length": 10, "prefix_digest": digest(c0..c9), "new_tokens": [],
      "draft_tokens": [d0, d1, d2], "draft_probs": null, "sampling": {"temperature": 0, ...}}
@@ -37,9 +44,14 @@ Example, the first call of a generation with prompt c0..c9 (nothing drafted yet)
 
 Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
 token and, in ``top_logprobs``, its N most likely alternatives, all the target's
-(``spade_core.sampling.reported_logprobs``). Without it (the default, and all an older edge
-sends) nothing is computed, ``logprobs`` is [] and ``top_logprobs`` null. ``VerifierHealth
-.logprobs_support`` says which calls may ask ("none" from a verifier older than the field).
+(``spade_core.sampling.reported_logprobs``). Without it (the default) nothing is computed,
+``logprobs`` is [] and ``top_logprobs`` null. ``VerifierHealth.logprobs_support`` says which
+calls may ask.
+
+Versions. ``WIRE_VERSION`` numbers this wire; the verifier's ``/health`` carries it and an edge
+works only with a verifier of its own version (it refuses to start against another, and while
+running answers 503 ``verifier_incompatible``). A change an edge of the current version would
+misread (a field renamed, removed or newly required, a meaning changed) takes the next version.
 """
 
 from __future__ import annotations
@@ -54,13 +66,16 @@ from gateway.model import ModelDescription
 from gateway.protocol import MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import SamplingConfig
 
+WIRE_VERSION = 1
+"""The version of this wire (first release: 1). See the module's "Versions"."""
+
 SESSION_RESYNC_CODE = "session_resync_required"
 
 
 def context_digest(token_ids: list[int]) -> str:
     """Digest of a committed token sequence (both sides compute it the same way)."""
     hasher = hashlib.blake2b(digest_size=16)
-    hasher.update(b",".join(str(token_id).encode() for token_id in token_ids))
+    hasher.update(",".join(map(str, token_ids)).encode())  # "5,6,7": the ids in decimal, comma-separated
     return hasher.hexdigest()
 
 
@@ -87,8 +102,8 @@ class SparseDistribution(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    token_ids: list[int] = Field(min_length=1)
-    probs: list[float] = Field(min_length=1)
+    token_ids: list[int] = Field(min_length=1, json_schema_extra={"uniqueItems": True})
+    probs: list[float] = Field(min_length=1, description="One per token id (same length as token_ids).")
 
     @model_validator(mode="after")
     def _same_length(self) -> SparseDistribution:
@@ -100,7 +115,18 @@ class SparseDistribution(BaseModel):
 
 
 class VerifyRequest(UnicodeChecked):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # A call must carry some context: prefix_length > 0, or the context in new_tokens (prefix 0
+    # with nothing new has no position to continue from: 400). Declared so in the schema.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"prefix_length": {"minimum": 1}}},
+                {"properties": {"new_tokens": {"minItems": 1}}, "required": ["new_tokens"]},
+            ]
+        },
+    )
 
     session_id: str = Field(min_length=1, max_length=128)
     prefix_length: int = Field(ge=0, description="Committed tokens the edge assumes the verifier holds.")
@@ -163,6 +189,32 @@ class VerifyResponse(BaseModel):
     num_target_tokens: int = Field(description="Tokens in the target's forward pass for this call.")
     timings: VerifyTimings
     replayed: bool = Field(default=False, description="True when this answers a retried call from memory.")
+    verdict_digest: str = Field(
+        default="",
+        description="verdict_digest(request fingerprint, this verdict, context_digest of the committed context after the "
+        "call): the edge checks it before emitting a token.",
+    )
+
+
+UNDIGESTED_FIELDS = frozenset({"verdict_digest", "replayed"})
+"""The verdict's fields outside its digest: the digest itself, and ``replayed``, the one field a
+replay changes. ``timings`` are inside: the draft-length policy and the request's stats read
+them, and a replay returns the stored ones unchanged."""
+
+
+def verdict_digest(request_fingerprint: str, verdict: VerifyResponse, context_digest_after: str) -> str:
+    """The digest that binds a verdict to its call and to the committed context after it.
+
+    Both sides compute it over the same canonical bytes: pydantic's JSON of the verdict's
+    fields (all but ``UNDIGESTED_FIELDS``, so a field added later is covered without edits;
+    floats round-trip exactly through JSON), framed by the fingerprint and the context digest."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(request_fingerprint.encode())
+    hasher.update(b"|")
+    hasher.update(verdict.model_dump_json(exclude=set(UNDIGESTED_FIELDS)).encode())
+    hasher.update(b"|")
+    hasher.update(context_digest_after.encode())
+    return hasher.hexdigest()
 
 
 class SessionDeleted(BaseModel):
@@ -194,25 +246,26 @@ def described_model(health: VerifierHealth) -> ModelDescription:
     )
 
 
+class HealthStatus(BaseModel):
+    """All /health tells a caller without a valid key where keys are configured."""
+
+    status: Literal["ok", "loading"]
+
+
 class VerifierHealth(BaseModel):
     """The verifier's state, limits and served model (``health_fields`` / ``described_model``)."""
 
     status: Literal["ok", "loading"]
+    wire_version: int = Field(description="The edge <-> verifier wire's version (WIRE_VERSION); an edge of another refuses this verifier.")
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
     max_context_length: int
-    max_draft_tokens: int  # the verifier's --max-draft-length (the wire keeps the older name)
+    max_draft_length: int = Field(description="The verifier's --max-draft-length: most drafted tokens one verify call may carry.")
     max_draft_support: int
     eos_token_ids: list[int]
     backend: str
     logprobs_support: LogprobsSupport = Field(
-        default="none",
         description=f"Which verify calls may ask for logprobs, one of {get_args(LogprobsSupport)}: all, greedy "
-        "ones only (vLLM backend, sample_match route), none (a verifier older than this field).",
-    )
-    accepts_empty_block: bool = Field(
-        default=False,
-        description="Verify calls may carry an empty block (the edge's prompt-only first call); false from a verifier older "
-        "than this field, which refuses them.",
+        "ones only (vLLM backend, sample_match route), none.",
     )

@@ -22,6 +22,8 @@ from verifier_service.protocol import (
     VerifyRequest,
     VerifyResponse,
     VerifyTimings,
+    context_digest,
+    verdict_digest,
 )
 from verifier_service.sessions import Session, SessionRegistry
 
@@ -41,16 +43,25 @@ class VerifyLimits:
 
 
 class VerifierService:
+    """The cloud half's verify service: answers the edge's verify calls. It validates a call
+    against the wire's limits, checks it against the edge's session (the committed length and
+    digest; 409 ``session_resync_required`` when they differ, and a repeated call answered from
+    memory), has the backend's target accept the longest prefix of the drafted block and add its
+    own next token, and commits that verdict to the session, so the next call carries only its
+    new block. Bad input changes nothing, and a failed call leaves the session as it was."""
+
     def __init__(self, backend: VerifierBackend, sessions: SessionRegistry, limits: VerifyLimits, metrics: VerifierMetrics) -> None:
         self.backend = backend
         self.sessions = sessions
         self.limits = limits
         self.metrics = metrics
 
-    async def verify(self, request: VerifyRequest) -> VerifyResponse:
+    async def verify(self, request: VerifyRequest, owner: str = "") -> VerifyResponse:
+        """``owner``: the caller's key id (``gateway.security.key_id``; "" without keys): each
+        owner has its own namespace of sessions, so another key's session is simply unknown."""
         received_at = time.perf_counter()
         draft_probs = self.validate(request)
-        session = self._session_for(request)
+        session = self._session_for(request, owned_session_id(owner, request.session_id))
         fingerprint = request.fingerprint()
         async with session.lock:
             if session.last_fingerprint == fingerprint and session.last_response is not None:
@@ -59,23 +70,27 @@ class VerifierService:
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
             block = BlockToVerify(
-                request.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs
+                session.session_id, context, request.draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs
             )
             self._release(self.sessions.reserve(session, len(context) + len(request.draft_tokens)))
             try:
                 verdict = await self.backend.verify_block(block)
             finally:
                 session.reserved_tokens = 0
-            response = self._response(request, len(context), verdict, received_at)
             emitted = request.draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
-            session.commit(context + emitted, fingerprint, response)
+            committed = context + emitted
+            committed_digest = context_digest(committed)
+            response = sealed(self._response(request, len(context), verdict, received_at), fingerprint, committed_digest)
+            session.commit(committed, committed_digest, fingerprint, response)
         self.metrics.observe_verify(len(request.draft_tokens), verdict)
-        self._evict(keep=request.session_id)
+        self._evict(keep=session.session_id)
         return response
 
-    def end_session(self, session_id: str) -> SessionDeleted:
-        deleted = self.sessions.remove(session_id)
-        self.backend.release_session(session_id)
+    def end_session(self, session_id: str, owner: str = "") -> SessionDeleted:
+        """Another owner's session is left alone (``deleted: false``, as for an unknown one)."""
+        owned_id = owned_session_id(owner, session_id)
+        deleted = self.sessions.remove(owned_id)
+        self.backend.release_session(owned_id)
         self.metrics.sessions.set(len(self.sessions))
         return SessionDeleted(session_id=session_id, deleted=deleted)
 
@@ -125,10 +140,10 @@ class VerifierService:
                 raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
         return dense_draft_probs(rows, self.backend.model.vocab_size)
 
-    def _session_for(self, request: VerifyRequest) -> Session:
+    def _session_for(self, request: VerifyRequest, owned_id: str) -> Session:
         if request.prefix_length == 0:
-            return self.sessions.get_or_create(request.session_id)
-        session = self.sessions.get(request.session_id)
+            return self.sessions.get_or_create(owned_id)
+        session = self.sessions.get(owned_id)
         if session is None:
             self.metrics.resyncs.inc()
             raise SessionConflictError(
@@ -143,8 +158,8 @@ class VerifierService:
             return
         self.metrics.resyncs.inc()
         raise SessionConflictError(
-            f"session {request.session_id!r} holds {len(session.token_ids)} committed tokens that do not match "
-            f"prefix_length {request.prefix_length} and its digest: resend the full context with prefix_length 0",
+            f"session {request.session_id!r} does not hold the committed context that prefix_length and prefix_digest "
+            "describe: resend the full context with prefix_length 0",
             param="prefix_digest",
             code=SESSION_RESYNC_CODE,
         )
@@ -155,7 +170,7 @@ class VerifierService:
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token_id,
             next_token_kind="bonus" if verdict.is_bonus else "correction",
-            # [] when not asked: what an edge from before num_top_logprobs requires
+            # [] when not asked (the wire's logprobs is always a list)
             logprobs=verdict.logprobs or [],
             top_logprobs=None
             if verdict.top_logprobs is None
@@ -180,6 +195,16 @@ class VerifierService:
         for session_id in session_ids:
             self.backend.release_session(session_id)
         self.metrics.sessions.set(len(self.sessions))
+
+
+def owned_session_id(owner: str, session_id: str) -> str:
+    """The registry's (and the backend's) id of a caller's session: the caller's namespace, then its id."""
+    return f"{owner}/{session_id}" if owner else session_id
+
+
+def sealed(response: VerifyResponse, fingerprint: str, committed_digest: str) -> VerifyResponse:
+    """The response with its ``verdict_digest`` (over the call, the verdict and the committed context)."""
+    return response.model_copy(update={"verdict_digest": verdict_digest(fingerprint, response, committed_digest)})
 
 
 def dense_draft_probs(rows: list[SparseDistribution], vocab_size: int) -> torch.Tensor:

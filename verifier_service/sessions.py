@@ -39,9 +39,10 @@ class Session:
     def matches(self, prefix_length: int, prefix_digest: str) -> bool:
         return len(self.token_ids) == prefix_length and self.digest == prefix_digest
 
-    def commit(self, token_ids: list[int], fingerprint: str, response: VerifyResponse) -> None:
+    def commit(self, token_ids: list[int], digest: str, fingerprint: str, response: VerifyResponse) -> None:
+        """``digest``: context_digest(token_ids), computed once by the caller (it also seals the response)."""
         self.token_ids = token_ids
-        self.digest = context_digest(token_ids)
+        self.digest = digest
         self.last_fingerprint = fingerprint
         self.last_response = response
 
@@ -61,6 +62,11 @@ class SessionLimits:
 
 
 class SessionRegistry:
+    """The verifier's sessions, one per edge generation: what each has committed (tokens and
+    digest) and its last answer (for retries), a lock serialising one session's calls, and
+    least-recently-used eviction by session count, total tokens and idle time; with a KV budget,
+    a call reserves the cache its forward will hold, evicting idle sessions or answering 429."""
+
     def __init__(self, limits: SessionLimits, kv_budget: KvBudget | None = None) -> None:
         self._limits = limits
         self.kv_budget = kv_budget

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -16,7 +16,6 @@ if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and 
 
 class VerifierSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPADE_VERIFIER_", protected_namespaces=())
-    RENAMED: ClassVar[dict[str, str]] = {"max_draft_tokens": "max_draft_length"}
 
     model: str = Field("qwen2.5-coder-1.5b-instruct", description="Target model: HF id, local directory, .gguf path or spade-models name.")
     served_model_name: str | None = Field(None, description="Model id clients pass; defaults to the model's name.")

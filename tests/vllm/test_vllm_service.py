@@ -21,6 +21,7 @@ import pytest
 from bad_input_support import AT_THE_LIMIT, BAD_VERIFY_CALLS, complete_past_the_limit, outcome, verify_past_the_limit
 from edge_support import edge_app
 from servers import serve
+from verifier_service.protocol import WIRE_VERSION
 from verifier_support import (
     ENVELOPE_KEYS,
     MAX_CONTEXT,
@@ -70,7 +71,7 @@ def test_health_names_the_vllm_backend(client, vocab_size):
     health = client.get("/health").json()
     # One token short of --max-context-length (vLLM's max_model_len): room for the returned token.
     assert (health["backend"], health["vocab_size"], health["max_context_length"]) == ("vllm", vocab_size, MAX_CONTEXT - 1)
-    assert health["accepts_empty_block"] is True
+    assert health["wire_version"] == WIRE_VERSION
 
 
 @pytest.mark.parametrize(("over", "status", "code"), AT_THE_LIMIT)

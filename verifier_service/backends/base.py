@@ -26,6 +26,10 @@ from spade_core.params import SamplingConfig
 
 @dataclass(frozen=True)
 class BlockToVerify:
+    """What the service asks a backend: one session's whole committed context and a drafted
+    block (with the distributions the draft sampled it from, or none for a greedy draft), under
+    the request's sampling; an empty block asks for one step of target-only decoding."""
+
     session_id: str
     context_token_ids: list[int]
     """The whole committed context (prompt + tokens generated so far), at least one token."""
@@ -51,6 +55,10 @@ class BlockToVerify:
 
 @dataclass(frozen=True)
 class BlockVerdict:
+    """A backend's answer to a ``BlockToVerify``: how many drafted tokens the target accepted and
+    the next token (the correction at the first rejection, or the bonus after a fully accepted
+    block), with the logprobs asked for and what the forward cost (queue, forward, batching)."""
+
     num_accepted: int
     next_token_id: int
     is_bonus: bool

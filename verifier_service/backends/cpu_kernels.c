@@ -1,7 +1,7 @@
 /* CPU kernel of the verifier's fast path: y = x W^T (+ b) for a few rows of x.
  *
- * Built at run time by verifier_service/backends/cpu_kernels.py (gcc -O3, AVX-512 or AVX2+FMA)
- * and called through ctypes on the model's own weights, in one of two forms:
+ * Built at run time by verifier_service/backends/cpu_kernels.py (gcc -O3 -Wall -Wextra, AVX-512
+ * or AVX2+FMA, with OpenMP where the compiler has it) and called through ctypes on the model's own weights, in one of two forms:
  *
  *   dot     W is the [N, K] row-major matrix nn.Linear holds. For weights that cannot be packed
  *           (shared with the input embeddings, N not a multiple of the panel width).
@@ -25,6 +25,14 @@
 
 #include <immintrin.h>
 #include <stddef.h>
+
+/* Threads split the weight rows (never K) through OpenMP; a compiler without it builds a
+ * one-thread kernel, with no pragma left for it to warn about. */
+#ifdef _OPENMP
+#define PARALLEL_FOR _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)")
+#else
+#define PARALLEL_FOR
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -164,8 +172,6 @@ static int chunk_rows(int M, int K) {
     return chunk < step ? step : chunk;
 }
 
-int spade_lanes(void) { return LANES; }
-
 /* y[M, N] = x[M, K] W[N, K]^T (+ bias[N]); all row-major and contiguous. Threads split the
  * weight rows (chunks), never K, so the result does not depend on num_threads either. */
 void spade_linear(const float *x, const float *w, const float *bias, float *y, int M, int N, int K,
@@ -174,7 +180,7 @@ void spade_linear(const float *x, const float *w, const float *bias, float *y, i
     if (M <= 0 || N <= 0) return;
     int chunk = chunk_rows(M, K);
     int num_chunks = (N + chunk - 1) / chunk;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    PARALLEL_FOR
     for (int c = 0; c < num_chunks; c++) {
         int n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         linear_chunk(x, w, bias, y, M, N, K, n0, n1, chunk);
@@ -309,7 +315,7 @@ void spade_packed_linear(const float *x, const float *wp, const float *bias, flo
     int num_panels = N / PANEL;
     int per_thread = num_threads > 1 ? (num_panels + num_threads - 1) / num_threads : num_panels;
     int num_parts = (num_panels + per_thread - 1) / per_thread;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    PARALLEL_FOR
     for (int part = 0; part < num_parts; part++) {
         int p0 = part * per_thread, p1 = p0 + per_thread < num_panels ? p0 + per_thread : num_panels;
         packed_panels(x, wp, bias, y, M, N, K, p0, p1);

@@ -32,6 +32,11 @@ from verifier_service.kv_budget import kv_bytes_per_token
 
 
 class TransformersBackend(VerifierBackend):
+    """The reference verifier backend (the default): the target as any causal LM transformers
+    loads, with a KV cache per session so each verify call runs one forward over only the tokens
+    that cache lacks, calls of several sessions batched into one forward, and on a float32 CPU
+    the verifier's own kernels. Runs on CPU, CUDA or MPS; tested on CPU."""
+
     name = "transformers"
 
     def __init__(

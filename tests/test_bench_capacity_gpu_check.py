@@ -1,0 +1,62 @@
+"""scripts/gpu_check, the prepared check for a lent GPU machine, run end to end here on the CPU
+with a tiny model: it builds the model and its tokenizer, times forwards per row count, starts
+the verifier, generates synthetic sessions and runs the capacity levels and the prefill
+scenario, writing its results where it is told."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spade_bench.gpu_check import build_tokenizer, synthetic_proposals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_tokenizer_has_one_id_per_model_row_and_encodes_the_prompt_words():
+    tokenizer = build_tokenizer(40)
+    assert len(tokenizer) == 40
+    assert tokenizer.encode("w7 w39 w6", add_special_tokens=False) == [7, 39, 6]
+    assert tokenizer.decode([7, 39]) == "w7 w39"
+
+
+def test_synthetic_proposals_agree_with_the_target_at_the_chosen_rate():
+    import random
+
+    target = list(range(1000))
+    proposals = synthetic_proposals(target, 0.7, 5000, random.Random(0))
+    agreeing = sum(p == t for p, t in zip(proposals, target, strict=True))
+    assert 650 < agreeing < 750
+    assert all(0 <= p < 5000 for p in proposals)
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_end_to_end_on_a_cpu_with_a_tiny_model(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable)
+    command = [
+        str(ROOT / "scripts" / "gpu_check"),
+        "--device",
+        "cpu",
+        "--tiny",
+        "--users",
+        "1,2",
+        "--max-tokens",
+        "12",
+        "--output",
+        str(tmp_path),
+    ]
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert sorted(int(rows) for rows in report["forward_ms"]) == [1, 2, 4, 8]
+    rows = {(row["mode"], row["num_users"]): row for row in report["rows"]}
+    assert set(rows) == {(mode, n) for mode in ("target", "spade", "spade+advice") for n in (1, 2)}
+    assert all(row["num_mismatches"] == 0 for row in report["rows"])
+    assert all(row["tokens"] == 12 * row["num_users"] for row in report["rows"])
+    assert report["prefill_interference"]["num_mismatches"] == 0
+    assert "| rows | ms per forward |" in (tmp_path / "gpu_check.md").read_text()
