@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from edge_agent.draft_backend import build_drafter, draft_backend_name, load_draft_model
-from edge_agent.engine import SpeculativeEngine
+from edge_agent.engine import EngineOptions, ServedModel, SpeculativeEngine
 from edge_agent.health import EdgeHealth, VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
@@ -76,17 +76,13 @@ async def build_engine(
         settings.verifier_url,
         settings.draft_length,
     )
-    return SpeculativeEngine(
-        drafter,
-        draft.tokenizer,
-        client,
-        described_model(health),
+    options = EngineOptions(
         policy,
-        metrics,
-        settings.fallback == "draft",
-        settings.overlap,
-        settings.prefill_first,
+        fallback_to_draft=settings.fallback == "draft",
+        overlap=settings.overlap,
+        prefill_first=settings.prefill_first,
     )
+    return SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
 
 
 def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -> FastAPI:

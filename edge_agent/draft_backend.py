@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from edge_agent.drafter import ModelDrafter
+from edge_agent.drafter import DraftLimits, ModelDrafter
 from edge_agent.llamacpp_drafter import LlamaCppDrafter, LlamaCppDraftModel, llamacpp_available, load_llamacpp_draft
 from edge_agent.settings import EdgeSettings
 from spade_models.loader import LoadedModel, ModelSource, load_model
@@ -72,14 +72,9 @@ def build_drafter(
 ) -> ModelDrafter | LlamaCppDrafter:
     """The drafter for a loaded draft, within the verifier's limits: no token id beyond its
     vocabulary, no distribution wider than it accepts, no context longer than it serves."""
-    max_support = min(settings.max_draft_support, health.max_draft_support)
+    limits = DraftLimits(min(settings.max_draft_support, health.max_draft_support), health.vocab_size)
     if isinstance(draft, LlamaCppDraftModel):
         return LlamaCppDrafter(
-            draft,
-            health.max_context_length,
-            threads=settings.threads,
-            max_sessions=settings.max_draft_sessions,
-            max_support=max_support,
-            vocab_limit=health.vocab_size,
+            draft, health.max_context_length, threads=settings.threads, max_sessions=settings.max_draft_sessions, limits=limits
         )
-    return ModelDrafter(draft, max_support=max_support, vocab_limit=health.vocab_size)
+    return ModelDrafter(draft, limits)

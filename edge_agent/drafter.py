@@ -54,14 +54,22 @@ class Drafter(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DraftLimits:
+    """What the verifier accepts of a drafted block (from its /health); a drafter keeps within it."""
+
+    max_support: int = 32
+    """Tokens kept in a sampled token's distribution: the most likely ones, renormalised."""
+    vocab_limit: int | None = None
+    """Token ids at or above this are never drafted (the verifier's vocabulary size)."""
+
+
 @dataclass
 class ModelDrafter:
     """Drafts with a small causal LM (transformers)."""
 
     loaded: LoadedModel
-    max_support: int = 32
-    vocab_limit: int | None = None
-    """Token ids at or above this are never drafted (the verifier's vocabulary size)."""
+    limits: DraftLimits = DraftLimits()
     cache_argument: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,16 +119,17 @@ class ModelDraftSession:
             )
         entry.token_ids = entry.token_ids + input_ids
         logits = output.logits[0, -1].float()
-        if self.drafter.vocab_limit is not None and self.drafter.vocab_limit < logits.shape[-1]:
+        vocab_limit = self.drafter.limits.vocab_limit
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
             # Out of place: the logits are an inference tensor, which refuses in-place updates here.
-            beyond_limit = torch.arange(logits.shape[-1], device=logits.device) >= self.drafter.vocab_limit
+            beyond_limit = torch.arange(logits.shape[-1], device=logits.device) >= vocab_limit
             logits = logits.masked_fill(beyond_limit, float("-inf"))
         return logits
 
     def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, uniform: float) -> tuple[int, SparseDistribution | None]:
         if sampling.is_greedy:
             return int(logits.argmax()), None
-        return sample_draft_token(logits, sampling, uniform, self.drafter.max_support)
+        return sample_draft_token(logits, sampling, uniform, self.drafter.limits.max_support)
 
 
 def sample_draft_token(logits: torch.Tensor, sampling: SamplingConfig, uniform: float, max_support: int) -> tuple[int, SparseDistribution]:

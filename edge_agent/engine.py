@@ -21,16 +21,52 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
+from edge_agent.accounting import (
+    record_delivered,
+    record_drafted_ahead,
+    record_overlap,
+    record_request_ended,
+    record_request_started,
+    record_unreachable_verifier,
+    record_verified_block,
+)
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
-from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy
+from edge_agent.draft_length import DraftLengthPolicy
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
+from edge_agent.generation import Generation, draft_length
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.verifier_client import VerifierClient, VerifierSession, VerifyCall
+from edge_agent.verifier_client import VerifierClient, VerifyCall
 from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the edge serves: the target's description (from the verifier's /health) and the
+    tokenizer of its token ids (the draft's, checked at start-up to be the target's)."""
+
+    description: ModelDescription
+    tokenizer: Any
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine drafts (``spade-edge``'s ``--draft-length``, ``--fallback``, ``--overlap``,
+    ``--prefill-first``)."""
+
+    draft_length_policy: DraftLengthPolicy
+    """Chooses each block's length (service-wide; each request gets its own ``for_request()``)."""
+    fallback_to_draft: bool = field(default=False, kw_only=True)
+    """With the verifier unreachable, serve the draft's block unverified instead of failing."""
+    overlap: bool = field(default=False, kw_only=True)
+    """Draft the next block while the verifier checks this one."""
+    prefill_first: bool = field(default=False, kw_only=True)
+    """The first verify call carries the prompt alone (every verifier of this wire version takes an empty block)."""
 
 
 class SpeculativeEngine:
@@ -41,42 +77,26 @@ class SpeculativeEngine:
     (at temperature 0 it is the target's own greedy text). It serves under the model the
     verifier's /health describes, drafts the next block while the verifier checks this one
     (``overlap``), sends the prompt alone first (``prefill_first``) and, with ``--fallback
-    draft``, serves the draft alone while the verifier is unreachable."""
+    draft``, serves the draft alone while the verifier is unreachable. Each request is one
+    ``Generation``, handed from step to step of the loop."""
 
-    def __init__(
-        self,
-        drafter: Drafter,
-        tokenizer,
-        client: VerifierClient,
-        target: ModelDescription,
-        draft_length_policy: DraftLengthPolicy,
-        metrics: EdgeMetrics,
-        fallback_to_draft: bool = False,
-        overlap: bool = False,
-        prefill_first: bool = False,
-    ) -> None:
+    def __init__(self, drafter: Drafter, client: VerifierClient, served: ServedModel, metrics: EdgeMetrics, options: EngineOptions) -> None:
         self._drafter = drafter
-        self._tokenizer = tokenizer
         self._client = client
-        self._target = target
-        self._draft_length_policy = draft_length_policy
+        self._served = served
         self._metrics = metrics
-        self._fallback_to_draft = fallback_to_draft
-        self._overlap = overlap
-        """Draft the next block while the verifier checks this one."""
-        self._prefill_first = prefill_first
-        """The first verify call carries the prompt alone (every verifier of this wire version takes an empty block)."""
+        self._options = options
         # One drafting thread: draft forwards stay off the event loop, in arrival order.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-forward")
 
     @property
     def model(self) -> ModelDescription:
         """The target's description (from the verifier's /health): what the edge serves."""
-        return self._target
+        return self._served.description
 
     @property
     def tokenizer(self):
-        return self._tokenizer
+        return self._served.tokenizer
 
     @property
     def verifier_reachable(self) -> bool:
@@ -85,78 +105,155 @@ class SpeculativeEngine:
     @property
     def prefill_first(self) -> bool:
         """The first verify call of a request carries the prompt alone."""
-        return self._prefill_first
+        return self._options.prefill_first
 
     async def generate(self, request: GenerationRequest, stats: SpadeStats) -> AsyncGenerator[GeneratedTokens, None]:
-        draft_session = self._drafter.start_session()
-        verifier_session = self._client.open_session()
-        policy = self._draft_length_policy.for_request()
-        context = list(request.prompt_token_ids)
-        num_generated = 0
-        ahead: DraftAhead | None = None
-        is_prompt_only = self._prefill_first
-        draft_prefilled = False  # a block was drafted for this request (the first one prefilled the draft)
-        self._metrics.requests.inc()
-        self._metrics.active_requests.inc()
+        """Per block: draft it, verify it (drafting ahead meanwhile), commit the verdict, stream
+        what it delivers; until EOS or the budget. Closing the stream early ends it too."""
+        generation = self._start(request, stats)
         try:
-            while num_generated < request.max_tokens:
-                remaining = request.max_tokens - num_generated
-                num_drafted = 0 if is_prompt_only else self.draft_length(policy.next_length(), remaining, len(context))
-                is_prompt_only = False
-                await self._settle(ahead, stats)
-                self._count_overlap(stats, ahead, context)
-                block, drafting = await self._next_block(
-                    draft_session, context, num_drafted, request, ahead, first_block=not draft_prefilled
-                )
-                draft_prefilled = draft_prefilled or bool(block.token_ids)
-                ahead_limit = self._ahead_limit(policy, remaining, len(context), num_drafted)
-                call, ahead = await self._verify_while_drafting_ahead(
-                    draft_session, verifier_session, context, block, request, ahead_limit, stats
-                )
-                emitted = self._committed(stats, policy, block, call, drafting)
-                if not emitted:  # the prompt-only call fell back to the draft: draft a block and serve that
-                    self._discard(ahead)
-                    ahead = None
-                    continue
-                context += emitted
-                kept = self.kept_tokens(emitted, remaining, request.eos_token_ids)
-                num_generated += kept
-                self._metrics.generated_tokens.inc(kept)
-                yield generated_tokens(emitted[:kept], call if request.num_top_logprobs is not None else None)
-                if kept < len(emitted) or emitted[-1] in request.eos_token_ids:
-                    return
+            while not generation.is_finished:
+                block, drafting = await self._draft(generation)
+                call = await self._verify_while_drafting_ahead(generation, block)
+                delivered = self._commit(generation, block, call, drafting)
+                if delivered:  # none when the prompt-only call fell back to the draft
+                    yield generated_tokens(delivered, call if generation.wants_logprobs else None)
         finally:
-            self._discard(ahead)
-            self._metrics.active_requests.dec()
-            self._close_draft_session(draft_session)
-            verifier_session.close()
+            self._finish(generation)
 
-    def draft_length(self, chosen: int, remaining: int, context_length: int) -> int:
-        """The policy's choice, capped by what the budget can use (a block of d yields up
-        to d + 1 tokens) and the context left (``gateway.model``: context + block must fit).
-        Never below 1 (an empty block is only the prompt-only first call's, decided in ``generate``)."""
-        return max(1, min(chosen, remaining - 1, self._target.room(context_length)))
+    def _start(self, request: GenerationRequest, stats: SpadeStats) -> Generation:
+        generation = Generation(
+            request,
+            stats,
+            draft_session=self._drafter.start_session(),
+            verifier_session=self._client.open_session(),
+            policy=self._options.draft_length_policy.for_request(),
+            context=list(request.prompt_token_ids),
+            sends_prompt_only=self._options.prefill_first,
+        )
+        record_request_started(self._metrics)
+        return generation
 
-    def _ahead_limit(self, policy, remaining: int, context_length: int, num_drafted: int) -> int:
-        """Tokens worth drafting past the block while it is verified: the guess of the target's
-        next token, then the next block, within what the budget and the context can still use.
-        Example: 10 tokens left, a block of 4 -> at best 5 come back and 5 remain: the guess + 4.
-        The prompt-only call (a block of 0), 10 left, length 5 -> the guess + 5; drafting the
-        guess is also the draft's prefill of the prompt."""
-        left_after_hit = remaining - (num_drafted + 1)
-        if not self._overlap or left_after_hit <= 0:
+    def _finish(self, generation: Generation) -> None:
+        """Whatever ended the loop (EOS, budget, the consumer gone): free the draft cache and
+        the verifier session."""
+        generation.drop_ahead()
+        record_request_ended(self._metrics)
+        self._close_draft_session(generation.draft_session)
+        generation.verifier_session.close()
+
+    # --- draft ---------------------------------------------------------------------------------
+
+    async def _draft(self, generation: Generation) -> tuple[DraftBlock, Drafting]:
+        """The block to verify next: what was drafted ahead for the committed context (a hit),
+        completed by drafting now."""
+        num_drafted = self._block_length(generation)
+        await self._settle_ahead(generation)
+        block, drafting = await self._complete_block(generation, num_drafted)
+        generation.is_draft_prefilled = generation.is_draft_prefilled or bool(block.token_ids)
+        return block, drafting
+
+    def _block_length(self, generation: Generation) -> int:
+        """0 for the prompt-only first call; otherwise the policy's choice within every cap."""
+        if generation.sends_prompt_only:
             return 0
-        room_after_hit = self._target.room(context_length + num_drafted + 1)
-        next_block = min(policy.next_length(), left_after_hit - 1, room_after_hit)
-        return 1 + max(0, next_block)
+        room = self.model.room(len(generation.context))
+        return draft_length(generation.policy.next_length(), generation.num_left, room, generation.verifier_advice)
 
-    @staticmethod
-    def kept_tokens(emitted: list[int], remaining: int, eos_token_ids: frozenset[int]) -> int:
-        """How many of the emitted tokens to deliver: up to the budget and through the first EOS."""
-        for index, token_id in enumerate(emitted[:remaining]):
-            if token_id in eos_token_ids:
-                return index + 1
-        return min(len(emitted), remaining)
+    async def _settle_ahead(self, generation: Generation) -> None:
+        """Take the token still being drafted ahead when the last verdict came, now that it is
+        needed, and count whether the committed context ran through the guess."""
+        ahead = generation.ahead
+        if ahead is None:
+            return
+        added, seconds = await ahead.settle()
+        record_drafted_ahead(self._metrics, generation, len(added.token_ids), seconds)
+        record_overlap(self._metrics, generation, ahead.is_continued_by(generation.context))
+
+    async def _complete_block(self, generation: Generation, num_drafted: int) -> tuple[DraftBlock, Drafting]:
+        """What was drafted ahead for this context, completed by drafting now. A request's first
+        drafted block (in line, or ahead during the prompt-only call) also prefilled the draft
+        model over the prompt: no measure of drafting per token (t_draft)."""
+        ahead, context, is_first_block = generation.ahead, generation.context, not generation.is_draft_prefilled
+        reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
+        per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids and not is_first_block else None
+        if len(reused.token_ids) == num_drafted:
+            return reused, Drafting(0.0, per_token_s)
+        rest, draft_s = await self._propose(generation, context + reused.token_ids, num_drafted - len(reused.token_ids))
+        return join_blocks(reused, rest), Drafting(draft_s, None if is_first_block else draft_s / len(rest.token_ids))
+
+    async def _propose(self, generation: Generation, context: list[int], num_tokens: int) -> tuple[DraftBlock, float]:
+        """``num_tokens`` drafted after ``context`` on the drafting thread, and the seconds it took."""
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        propose = generation.draft_session.propose
+        block = await loop.run_in_executor(self._executor, propose, list(context), num_tokens, generation.request.sampling)
+        return block, time.perf_counter() - started
+
+    # --- verify --------------------------------------------------------------------------------
+
+    async def _verify_while_drafting_ahead(self, generation: Generation, block: DraftBlock) -> VerifyCall | None:
+        """Send the block; until the verdict arrives, keep drafting past it one token at a time
+        (a guess of the target's next token, then the block after it). A token in progress when
+        the verdict lands is left pending (``DraftAhead.settle`` takes it before the next block):
+        the drafting thread cannot be interrupted mid-forward, and the verdict need not wait.
+        The generation's ``ahead`` is what was drafted (discarded with it if the request ends)."""
+        ahead_limit = self._ahead_limit(generation, len(block.token_ids))
+        verifying = asyncio.ensure_future(self._verify(generation, block))
+        ahead = generation.ahead = DraftAhead(generation.context + block.token_ids, [], None, 0.0)
+        try:
+            while len(ahead.token_ids) < ahead_limit and not verifying.done():
+                ahead.pending = asyncio.ensure_future(self._propose(generation, ahead.sequence, 1))
+                await asyncio.wait({verifying, ahead.pending}, return_when=asyncio.FIRST_COMPLETED)
+                if not ahead.pending.done():
+                    break
+                await ahead.settle()
+            record_drafted_ahead(self._metrics, generation, len(ahead.token_ids), ahead.seconds)
+            call = await verifying
+        finally:
+            if not verifying.done():  # the request was cancelled (client gone): so is its call
+                verifying.cancel()
+        if not ahead.token_ids and ahead.pending is None:
+            generation.ahead = None
+        return call
+
+    def _ahead_limit(self, generation: Generation, num_drafted: int) -> int:
+        """Tokens worth drafting past the block while it is verified: the guess of the target's
+        next token, then the next block (``draft_length`` after a hit). Example: 10 tokens left,
+        a block of 4 -> at best 5 come back and 5 remain: the guess + 4. The prompt-only call
+        (a block of 0), 10 left, length 5 -> the guess + 5; drafting the guess is also the
+        draft's prefill of the prompt."""
+        num_left_after_hit = generation.num_left - (num_drafted + 1)
+        if not self._options.overlap or num_left_after_hit <= 0:
+            return 0
+        room_after_hit = self.model.room(len(generation.context) + num_drafted + 1)
+        if min(num_left_after_hit - 1, room_after_hit) < 1:
+            return 1  # the guess alone: after it, the budget or the context takes no drafted token
+        chosen = generation.policy.next_length()
+        return 1 + draft_length(chosen, num_left_after_hit, room_after_hit, generation.verifier_advice)
+
+    async def _verify(self, generation: Generation, block: DraftBlock) -> VerifyCall | None:
+        """The verdict and what the call cost; None when the verifier is unreachable and the edge
+        falls back to the draft (never for a request that asked for logprobs: the draft's tokens
+        have no target logprob)."""
+        request = generation.request
+        try:
+            return await generation.verifier_session.verify(generation.context, block, request.sampling, request.num_top_logprobs)
+        except ServiceUnavailableError:
+            record_unreachable_verifier(self._metrics)
+            if not self._options.fallback_to_draft or generation.wants_logprobs:
+                raise
+            return None
+
+    # --- commit --------------------------------------------------------------------------------
+
+    def _commit(self, generation: Generation, block: DraftBlock, call: VerifyCall | None, drafting: Drafting) -> list[int]:
+        """The call's tokens join the context; returns those to deliver. The call is recorded
+        (stats, metrics, the policy's lesson) here, once."""
+        record_verified_block(self._metrics, generation, block, call, drafting)
+        delivered = generation.commit(committed_tokens(block, call))
+        record_delivered(self._metrics, delivered)
+        return delivered
 
     def _close_draft_session(self, session: DraftSession) -> None:
         """On the drafting thread, where a draft forward of this request may still be running;
@@ -166,121 +263,6 @@ class SpeculativeEngine:
         except RuntimeError:
             session.close()
 
-    async def _next_block(
-        self,
-        session: DraftSession,
-        context: list[int],
-        num_drafted: int,
-        request: GenerationRequest,
-        ahead: DraftAhead | None,
-        first_block: bool = False,
-    ) -> tuple[DraftBlock, Drafting]:
-        """The block to verify next: what was drafted ahead for this context, completed by drafting now.
-        A request's first drafted block (in line, or ahead during the prompt-only call) also
-        prefilled the draft model over the prompt: no measure of drafting per token (t_draft)."""
-        reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
-        per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids and not first_block else None
-        if len(reused.token_ids) == num_drafted:
-            return reused, Drafting(0.0, per_token_s)
-        rest, draft_s = await self._draft(session, context + reused.token_ids, num_drafted - len(reused.token_ids), request)
-        block = join_blocks(reused, rest)
-        return block, Drafting(draft_s, None if first_block else draft_s / len(rest.token_ids))
-
-    async def _draft(
-        self, session: DraftSession, context: list[int], num_drafted: int, request: GenerationRequest
-    ) -> tuple[DraftBlock, float]:
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        block = await loop.run_in_executor(self._executor, session.propose, list(context), num_drafted, request.sampling)
-        return block, time.perf_counter() - started
-
-    async def _verify_while_drafting_ahead(
-        self,
-        draft_session: DraftSession,
-        verifier_session: VerifierSession,
-        context: list[int],
-        block: DraftBlock,
-        request: GenerationRequest,
-        ahead_limit: int,
-        stats: SpadeStats,
-    ) -> tuple[VerifyCall | None, DraftAhead | None]:
-        """Send the block; until the verdict arrives, keep drafting past it one token at a time
-        (a guess of the target's next token, then the block after it). A token in progress when
-        the verdict lands is left pending (``DraftAhead.settle`` takes it before the next block):
-        the drafting thread cannot be interrupted mid-forward, and the verdict need not wait."""
-        verifying = asyncio.ensure_future(self._verify(verifier_session, context, block, request))
-        ahead = DraftAhead(context + block.token_ids, [], None, 0.0)
-        try:
-            while len(ahead.token_ids) < ahead_limit and not verifying.done():
-                ahead.pending = asyncio.ensure_future(self._draft(draft_session, ahead.sequence, 1, request))
-                await asyncio.wait({verifying, ahead.pending}, return_when=asyncio.FIRST_COMPLETED)
-                if not ahead.pending.done():
-                    break
-                await ahead.settle()
-            self._metrics.draft_ahead_tokens.inc(len(ahead.token_ids))
-            stats.draft_ahead_ms += ahead.seconds * 1e3
-            call = await verifying
-        except BaseException:
-            ahead.discard()
-            raise
-        finally:
-            if not verifying.done():  # the request was cancelled (client gone): so is its call
-                verifying.cancel()
-        return call, (ahead if ahead.token_ids or ahead.pending is not None else None)
-
-    async def _verify(
-        self, session: VerifierSession, context: list[int], block: DraftBlock, request: GenerationRequest
-    ) -> VerifyCall | None:
-        """The verdict and what the call cost; None when the verifier is unreachable and the edge
-        falls back to the draft (never for a request that asked for logprobs: the draft's tokens
-        have no target logprob)."""
-        try:
-            return await session.verify(context, block, request.sampling, request.num_top_logprobs)
-        except ServiceUnavailableError:
-            self._metrics.verify_failures.inc()
-            if not self._fallback_to_draft or request.num_top_logprobs is not None:
-                raise
-            self._metrics.fallback_tokens.inc(len(block.token_ids))
-            return None
-
-    def _committed(self, stats: SpadeStats, policy, block: DraftBlock, call: VerifyCall | None, drafting: Drafting) -> list[int]:
-        """The tokens the call commits: the accepted drafts and the next token; with no verdict
-        (verifier unreachable, --fallback draft) the draft's own block, unverified."""
-        if call is None:
-            stats.fallback_tokens += len(block.token_ids)
-            stats.draft_ms += drafting.exposed_s * 1e3
-            return block.token_ids
-        num_drafted = len(block.token_ids)
-        count_call(stats, call, num_drafted, drafting)
-        self._metrics.observe_call(call, num_drafted, drafting.exposed_s)
-        policy.observe(block_outcome(call, num_drafted, drafting))
-        return block.token_ids[: call.verdict.num_accepted] + [call.verdict.next_token]
-
-    async def _settle(self, ahead: DraftAhead | None, stats: SpadeStats) -> None:
-        """The token still being drafted ahead when the last verdict came, now that it is needed."""
-        if ahead is None:
-            return
-        added, seconds = await ahead.settle()
-        self._metrics.draft_ahead_tokens.inc(len(added.token_ids))
-        stats.draft_ahead_ms += seconds * 1e3
-
-    @staticmethod
-    def _discard(ahead: DraftAhead | None) -> None:
-        if ahead is not None:
-            ahead.discard()
-
-    def _count_overlap(self, stats: SpadeStats, ahead: DraftAhead | None, context: list[int]) -> None:
-        """A hit: the committed context runs through the guess, so what was drafted ahead starts
-        the next block (no drafting before it can leave). A miss: it is rolled back, unused."""
-        if ahead is None:
-            return
-        if ahead.is_continued_by(context):
-            stats.overlap_hits += 1
-            self._metrics.overlap_hits.inc()
-        else:
-            stats.overlap_misses += 1
-            self._metrics.overlap_misses.inc()
-
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
             await self._client.aclose()
@@ -289,26 +271,12 @@ class SpeculativeEngine:
         await asyncio.to_thread(self._drafter.close)
 
 
-def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: Drafting) -> None:
-    """The request's own account of one verified block (the ``spade`` object of its response)."""
-    verdict = call.verdict
-    stats.verify_calls += 1
-    stats.drafted_tokens += num_drafted
-    stats.accepted_tokens += verdict.num_accepted
-    stats.target_tokens += verdict.num_target_tokens
-    stats.resyncs += int(call.resynced)
-    stats.draft_ms += drafting.exposed_s * 1e3
-    stats.verify_ms += call.round_trip_s * 1e3
-    stats.verifier_forward_ms += verdict.timings.forward_ms
-
-
-def block_outcome(call: VerifyCall, num_drafted: int, drafting: Drafting) -> BlockOutcome:
-    """What the verified block teaches the draft-length policy."""
-    verifier_s = call.verdict.timings.total_ms / 1e3
-    verdict = call.verdict
-    return BlockOutcome(
-        num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verifier_s, verdict.num_target_tokens
-    )
+def committed_tokens(block: DraftBlock, call: VerifyCall | None) -> list[int]:
+    """The tokens a call commits: the accepted drafts and the target's next token; with no
+    verdict (verifier unreachable, ``--fallback draft``) the draft's own block, unverified."""
+    if call is None:
+        return block.token_ids
+    return block.token_ids[: call.verdict.num_accepted] + [call.verdict.next_token]
 
 
 def generated_tokens(token_ids: list[int], call: VerifyCall | None) -> GeneratedTokens:

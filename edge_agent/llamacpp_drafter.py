@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_agent.drafter import DRAFT_STREAM, DraftBlock, sample_draft_token
+from edge_agent.drafter import DRAFT_STREAM, DraftBlock, DraftLimits, sample_draft_token
 from gateway.errors import InvalidRequestError, OverloadedError
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms
@@ -152,21 +152,18 @@ class LlamaCppDrafter:
         *,
         threads: int | None = None,
         max_sessions: int = 16,
-        max_support: int = 32,
-        vocab_limit: int | None = None,
+        limits: DraftLimits = DraftLimits(),
     ) -> None:
         if n_ctx < 1 or max_sessions < 1:
             raise ValueError(f"n_ctx and max_sessions must be positive, got {n_ctx} and {max_sessions}")
         llama_cpp = _bindings()
         self.draft = draft
-        self.max_support = max_support
-        self.vocab_limit = vocab_limit
-        """Token ids at or above this are never drafted (the verifier's vocabulary size)."""
+        self.limits = limits
         self.threads = threads or default_threads()
         self.max_sessions = max_sessions
         self._context = llama_cpp.LlamaContext(draft.model, _context_params(llama_cpp, n_ctx, self.threads, max_sessions))
         self._batch = llama_cpp.LlamaBatch(n_tokens=MAX_BATCH_TOKENS, embd=0, n_seq_max=1)
-        self._greedy = _greedy_sampler(llama_cpp, draft.vocab_size, vocab_limit)
+        self._greedy = _greedy_sampler(llama_cpp, draft.vocab_size, limits.vocab_limit)
         # One decode at a time: the context, its batch and its last logits are shared.
         self._lock = threading.Lock()
         self._free_seq_ids = list(range(max_sessions - 1, -1, -1))
@@ -293,15 +290,16 @@ class LlamaCppDrafter:
             return self._greedy.sample(self._context, -1), None
         if uniform is None:
             raise ValueError("a sampled draft token needs its uniform draw")
-        return sample_draft_token(self._last_logits(), sampling, uniform, self.max_support)
+        return sample_draft_token(self._last_logits(), sampling, uniform, self.limits.max_support)
 
     def _last_logits(self) -> torch.Tensor:
         """[vocab] float32 logits of the last decoded token, ids beyond ``vocab_limit`` at -inf.
         cyllama hands the row over as a Python list; numpy packs it in C, several times faster
         than torch.tensor(list) (docs/benchmarks.md, "Component measurements")."""
         logits = torch.from_numpy(np.array(self._context.get_logits_ith(-1), dtype=np.float32))
-        if self.vocab_limit is not None and self.vocab_limit < logits.shape[0]:
-            logits[self.vocab_limit :] = float("-inf")
+        vocab_limit = self.limits.vocab_limit
+        if vocab_limit is not None and vocab_limit < logits.shape[0]:
+            logits[vocab_limit:] = float("-inf")
         return logits
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from edge_agent.drafter import ModelDrafter, ModelDraftSession
+from edge_agent.drafter import DraftLimits, ModelDrafter, ModelDraftSession
 from edge_agent.settings import EdgeSettings
 from spade_core.params import SamplingConfig
 from spade_models.loader import LoadedModel, ModelSource, load_model
@@ -113,7 +113,7 @@ async def run_rounds(
         raise ValueError(f"{label}: the backend's tokenizer does not tell its number of tokens")
     rng = RandomTokens(random.Random(config.seed), min(vocab_size, len(backend.tokenizer)))
     max_support = EdgeSettings.model_fields["max_draft_support"].default  # what an edge sends by default
-    drafter = None if draft is None else ModelDrafter(draft, max_support=max_support, vocab_limit=vocab_size)
+    drafter = None if draft is None else ModelDrafter(draft, DraftLimits(max_support, vocab_size))
     sessions = [Session(f"{label}-{index}", rng.tokens(config.context_length)) for index in range(concurrency)]
     drafts = [None if drafter is None else drafter.start_session() for _ in sessions]
     stats = RunStats()

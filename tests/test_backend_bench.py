@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from edge_agent.drafter import ModelDrafter
+from edge_agent.drafter import DraftLimits, ModelDrafter
 from edge_agent.settings import EdgeSettings
 from spade_bench.backend_bench import BenchConfig, RandomTokens, draft_block, run_rounds
 from spade_core.params import SamplingConfig
@@ -32,7 +32,7 @@ class RecordingBackend(TransformersBackend):
 def test_a_sampled_block_is_the_edge_drafters_with_its_distributions_spread_over_the_vocabulary(draft_model):
     vocab_size = 384
     context = draft_model.tokenizer.encode("The edge drafts a block")
-    edge = ModelDrafter(draft_model, max_support=EdgeSettings.model_fields["max_draft_support"].default, vocab_limit=vocab_size)
+    edge = ModelDrafter(draft_model, DraftLimits(EdgeSettings.model_fields["max_draft_support"].default, vocab_size))
     expected = edge.start_session().propose(context, 3, SAMPLED)
     rng = RandomTokens(random.Random(0), vocab_size)
     tokens, probs = draft_block(edge.start_session(), context, SAMPLED, 3, vocab_size, rng)

@@ -1,6 +1,6 @@
 """The capacity benchmark on the tiny pair: a real edge recorded through the recording proxy,
 replayed by emulated edges at concurrency N against a batching verifier (every verdict as
-recorded, so the output is reproduced token for token), target-only users over the same
+capacity_sessions, so the output is reproduced token for token), target-only users over the same
 prompts, and the report's arithmetic on fixed numbers."""
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ from itertools import count
 
 import pytest
 
-from edge_support import edge_app
-from servers import serve
-from spade_bench.capacity import record_sessions
+from capacity_support import MAX_TOKENS
 from spade_bench.capacity_levels import run_level
-from spade_bench.capacity_record import VerifyRecorder, recording_app
 from spade_bench.capacity_report import (
     REPLAY,
     SPADE,
@@ -30,34 +27,12 @@ from spade_bench.capacity_report import (
     markdown_table,
     max_users_at,
 )
-from spade_bench.client import Generation
-from spade_bench.data import BenchItem
 from spade_bench.services import process_tree_cpu_seconds
-from verifier_support import verifier_app
-
-ITEMS = [
-    BenchItem("spec_bench", "1", "writing", ("Write a haiku about the sea.",)),
-    BenchItem("spec_bench", "2", "qa", ("Why is the sky blue?",)),
-]
-MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def verifier_url(tiny_pair):
-    with serve(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=1.0)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def recorded(tiny_pair, verifier_url):
-    recorder = VerifyRecorder()
-    with serve(recording_app(verifier_url, recorder)) as proxy_url, serve(edge_app(tiny_pair, proxy_url, draft_length=3)) as edge_url:
-        return record_sessions(edge_url, recorder, ITEMS, Generation(MAX_TOKENS))
-
-
-def test_a_recorded_session_holds_every_verify_call_of_its_request(recorded):
-    assert [session.item_id for session in recorded] == ["1", "2"]
-    for session in recorded:
+def test_a_recorded_session_holds_every_verify_call_of_its_request(capacity_sessions):
+    assert [session.item_id for session in capacity_sessions] == ["1", "2"]
+    for session in capacity_sessions:
         assert session.is_clean
         assert session.completion_tokens == MAX_TOKENS
         assert session.num_emitted >= session.completion_tokens  # the last block may overshoot
@@ -66,17 +41,17 @@ def test_a_recorded_session_holds_every_verify_call_of_its_request(recorded):
 
 
 @pytest.mark.parametrize("num_users", [1, 3])
-def test_replayed_sessions_reproduce_their_recorded_verdicts(verifier_url, recorded, num_users):
-    users, delta = asyncio.run(run_level(verifier_url, REPLAY, recorded, num_users))
+def test_replayed_sessions_reproduce_their_recorded_verdicts(capacity_verifier_url, capacity_sessions, num_users):
+    users, delta = asyncio.run(run_level(capacity_verifier_url, REPLAY, capacity_sessions, num_users))
     assert [user.num_mismatches for user in users] == [0] * num_users
-    assert [user.num_calls for user in users] == [len(recorded[k % 2].calls) for k in range(num_users)]
+    assert [user.num_calls for user in users] == [len(capacity_sessions[k % 2].calls) for k in range(num_users)]
     assert [user.tokens for user in users] == [MAX_TOKENS] * num_users
     assert delta["spade_verifier_queue_seconds_count"] == sum(user.num_calls for user in users)
 
 
-def test_a_level_reports_the_verifier_cpu_it_is_given(verifier_url, recorded):
+def test_a_level_reports_the_verifier_cpu_it_is_given(capacity_verifier_url, capacity_sessions):
     readings = count(start=10.0, step=2.5)  # before the level, then after it
-    users, delta = asyncio.run(run_level(verifier_url, REPLAY, recorded, 1, cpu_seconds=lambda: next(readings)))
+    users, delta = asyncio.run(run_level(capacity_verifier_url, REPLAY, capacity_sessions, 1, cpu_seconds=lambda: next(readings)))
     assert delta[VERIFIER_CPU] == 2.5
     assert level_row(SPADE, users, delta).cpu_s_per_token == 2.5 / MAX_TOKENS
 
@@ -110,8 +85,8 @@ def test_the_verifier_cpu_includes_its_child_processes():
             os.kill(child_pid, signal.SIGKILL)
 
 
-def test_target_only_users_generate_the_same_number_of_tokens(verifier_url, recorded):
-    users, delta = asyncio.run(run_level(verifier_url, TARGET, recorded, 2))
+def test_target_only_users_generate_the_same_number_of_tokens(capacity_verifier_url, capacity_sessions):
+    users, delta = asyncio.run(run_level(capacity_verifier_url, TARGET, capacity_sessions, 2))
     assert [user.tokens for user in users] == [MAX_TOKENS, MAX_TOKENS]
     assert all(user.ttft_s is not None for user in users)
     assert delta["spade_verifier_forward_passes_total"] == 2 * MAX_TOKENS

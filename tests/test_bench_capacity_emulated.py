@@ -12,11 +12,10 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from edge_support import edge_app
+from capacity_support import MAX_TOKENS
 from servers import serve
-from spade_bench.capacity import record_sessions
 from spade_bench.capacity_levels import LevelSetup, run_level
-from spade_bench.capacity_record import RecordedCall, VerifyRecorder, recording_app
+from spade_bench.capacity_record import RecordedCall
 from spade_bench.capacity_report import (
     ADVICE,
     MODEL_FORWARDS,
@@ -30,45 +29,23 @@ from spade_bench.capacity_report import (
     level_row,
     markdown_table,
 )
-from spade_bench.client import Generation
-from spade_bench.data import BenchItem
 from spade_bench.draft_trace import DraftTrace, edge_drafter, recorded_output, recorded_prompt, trace_sessions
 from spade_bench.emulated_edge import EdgePolicy, EmulatedEdge, drafted_block, leading_matches
 from spade_bench.prefill_interference import InterferenceSetup, measure_interference
-from verifier_support import verifier_app
-
-ITEMS = [
-    BenchItem("spec_bench", "1", "writing", ("Write a haiku about the sea.",)),
-    BenchItem("spec_bench", "2", "qa", ("Why is the sky blue?",)),
-]
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def verifier_url(tiny_pair):
-    with serve(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=1.0)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def recorded(tiny_pair, verifier_url):
-    recorder = VerifyRecorder()
-    with serve(recording_app(verifier_url, recorder)) as proxy_url, serve(edge_app(tiny_pair, proxy_url, draft_length=3)) as edge_url:
-        return record_sessions(edge_url, recorder, ITEMS, Generation(MAX_TOKENS))
-
-
-@pytest.fixture(scope="module")
-def traced(tiny_pair, verifier_url, recorded):
+def traced(tiny_pair, capacity_verifier_url, capacity_sessions):
     """The recorded sessions with the draft's proposals, from the drafter the edge's flags build."""
-    drafter = edge_drafter(["--draft-model", str(tiny_pair.draft_dir), "--verifier-url", verifier_url, "--threads", "1"])
+    drafter = edge_drafter(["--draft-model", str(tiny_pair.draft_dir), "--verifier-url", capacity_verifier_url, "--threads", "1"])
     try:
-        traces = trace_sessions(drafter, recorded)
+        traces = trace_sessions(drafter, capacity_sessions)
     finally:
         drafter.close()
-    return [session.with_trace(trace) for session, trace in zip(recorded, traces, strict=True)]
+    return [session.with_trace(trace) for session, trace in zip(capacity_sessions, traces, strict=True)]
 
 
-def test_the_proposals_predict_every_verdict_of_the_real_edge(recorded, traced):
+def test_the_proposals_predict_every_verdict_of_the_real_edge(capacity_sessions, traced):
     """Each real block is the draft's proposals up to its first mismatch, and the real verdict
     accepted exactly the leading proposals that equal the target's output."""
     num_blocks = 0
@@ -111,9 +88,9 @@ def test_the_proposals_match_the_target_often_enough_to_test_anything(traced):
 
 
 @pytest.mark.parametrize("draft_length", [1, 3, 8, "auto"])
-def test_emulated_edges_stay_exact_at_any_draft_length(verifier_url, traced, draft_length):
+def test_emulated_edges_stay_exact_at_any_draft_length(capacity_verifier_url, traced, draft_length):
     setup = LevelSetup(policy=EdgePolicy(draft_length, max_draft_length=8))
-    users, delta = asyncio.run(run_level(verifier_url, SPADE, traced, 3, setup))
+    users, delta = asyncio.run(run_level(capacity_verifier_url, SPADE, traced, 3, setup))
     assert [user.num_mismatches for user in users] == [0, 0, 0]
     assert [user.tokens for user in users] == [MAX_TOKENS] * 3
     assert delta["spade_verifier_queue_seconds_count"] == sum(user.num_calls for user in users)
@@ -155,9 +132,9 @@ def advising_proxy(upstream_url: str, advice: int, seen_blocks: list[int]) -> Fa
 
 
 @pytest.mark.parametrize("mode", [SPADE, ADVICE])
-def test_an_edge_following_advice_never_drafts_past_it_and_one_ignoring_it_is_cut(verifier_url, traced, mode):
+def test_an_edge_following_advice_never_drafts_past_it_and_one_ignoring_it_is_cut(capacity_verifier_url, traced, mode):
     seen_blocks: list[int] = []
-    with serve(advising_proxy(verifier_url, 2, seen_blocks)) as proxy_url:
+    with serve(advising_proxy(capacity_verifier_url, 2, seen_blocks)) as proxy_url:
         users, _ = asyncio.run(run_level(proxy_url, mode, traced, 2, LevelSetup(policy=EdgePolicy(6, max_draft_length=8))))
     assert [user.num_mismatches for user in users] == [0, 0]
     assert [user.tokens for user in users] == [MAX_TOKENS] * 2
@@ -294,9 +271,9 @@ def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters
     assert "Prefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — N = 2: 5.00×." in table
 
 
-def test_the_prefill_scenario_splits_the_blocks_around_a_long_prompt(verifier_url, traced):
+def test_the_prefill_scenario_splits_the_blocks_around_a_long_prompt(capacity_verifier_url, traced):
     setup = InterferenceSetup(prompt_tokens=60, num_sessions=2, warm_calls=1, policy=EdgePolicy(2))
-    result = asyncio.run(measure_interference(verifier_url, traced, setup))
+    result = asyncio.run(measure_interference(capacity_verifier_url, traced, setup))
     assert result.num_mismatches == 0
     assert len(result.before_ms) >= 2  # each edge had a block verified before the prompt was sent
     assert result.prefill_s > 0

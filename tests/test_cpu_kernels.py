@@ -34,10 +34,10 @@ from transformers import DynamicCache
 
 from edge_support import edge_app
 from edge_support import verifier_app as full_context_verifier_app
+from greedy_support import TINY_PAIR_CASES, generate
 from servers import serve
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
-from test_edge_greedy import CASES, generate
 from verifier_service.backends.cpu_kernels import (
     COMPILE_TIMEOUT_S,
     ISA_FLAGS,
@@ -59,9 +59,8 @@ from verifier_support import (
     new_session_id,
     random_tokens,
     reference_verdict,
-    running_client,
+    running_verifier,
     verdict,
-    verifier_app,
     verify,
     verify_body,
 )
@@ -349,7 +348,7 @@ def test_block_label(num_drafted, num_target_tokens, label):
 
 @pytest.fixture(scope="module")
 def invariant_client(tiny_pair, library):
-    with running_client(verifier_app(tiny_pair, batch_invariant=True)) as client:
+    with running_verifier(tiny_pair, batch_invariant=True) as client:
         yield client
 
 
@@ -383,7 +382,7 @@ def test_metrics_count_forwards_per_draft_length(tiny_pair, library):
     """A fresh call prefills (label 'prefill'), its follow-up with 3 drafted tokens feeds 4 rows
     (label '3'); a 5-token target-only completion (no EOS in it) is one prefill step and four
     one-row steps."""
-    with running_client(verifier_app(tiny_pair)) as client:
+    with running_verifier(tiny_pair) as client:
         first = verify(client, verify_body("s", [], [5, 6], new_tokens=[3, 4, 8, 9]))
         committed = [3, 4, 8, 9] + [5, 6][: first["num_accepted"]] + [first["next_token"]]
         verify(client, verify_body("s", committed, [7, 8, 9]))
@@ -402,7 +401,7 @@ def invariant_verifier_url(tiny_pair, library):
 @pytest.fixture(scope="module")
 def invariant_target_outputs(invariant_verifier_url):
     client = openai.OpenAI(base_url=invariant_verifier_url + "/v1", api_key="unused", max_retries=0)
-    return {case.id: generate(client, case) for case in CASES if not case.stream}
+    return {case.id: generate(client, case) for case in TINY_PAIR_CASES if not case.stream}
 
 
 @pytest.mark.parametrize("draft_length", ["1", "5", "8", "auto"])
@@ -411,5 +410,5 @@ def test_greedy_output_equals_target_only_with_a_batch_invariant_verifier(
 ):
     with serve(edge_app(tiny_pair, invariant_verifier_url, draft_length=draft_length)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        outputs = {case.id: generate(client, case) for case in CASES if not case.stream}
+        outputs = {case.id: generate(client, case) for case in TINY_PAIR_CASES if not case.stream}
     assert outputs == invariant_target_outputs

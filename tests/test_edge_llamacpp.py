@@ -16,6 +16,7 @@ from edge_agent.app import create_app as create_edge_app
 from edge_agent.settings import EdgeSettings
 from edge_support import edge_app
 from edge_support import verifier_app as tiny_verifier_app
+from greedy_support import Case, Output, generate
 from servers import serve
 from verifier_service.app import create_app as create_verifier_app
 from verifier_service.settings import VerifierSettings
@@ -25,18 +26,6 @@ EDGE_VARIANTS = [("1", "llamacpp"), ("3", "llamacpp"), ("5", "auto"), ("8", "lla
 the next block while the current one is verified (--overlap, the default)."""
 
 
-@dataclass(frozen=True)
-class Case:
-    api: str  # "completions" or "chat"
-    prompt: str
-    max_tokens: int
-    stream: bool = False
-
-    @property
-    def id(self) -> str:
-        return f"{self.api}-{self.prompt[:16]}-{self.max_tokens}{'-stream' if self.stream else ''}"
-
-
 CASES = [
     Case("completions", "The capital of France is", 24),
     Case("completions", "def fibonacci(n):", 24, stream=True),
@@ -44,32 +33,6 @@ CASES = [
     Case("chat", "Write a haiku about the sea.", 16, stream=True),
     Case("chat", "hi", 12),
 ]
-
-
-@dataclass(frozen=True)
-class Output:
-    text: str
-    completion_tokens: int
-    finish_reason: str
-
-
-def generate(client: openai.OpenAI, model: str, case: Case, stream: bool | None = None, **sampling) -> Output:
-    common = dict(model=model, max_tokens=case.max_tokens, **({"temperature": 0} | sampling))
-    if case.stream if stream is None else stream:
-        options = dict(stream=True, stream_options={"include_usage": True}, **common)
-        if case.api == "chat":
-            chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": case.prompt}], **options))
-            text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-        else:
-            chunks = list(client.completions.create(prompt=case.prompt, **options))
-            text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-        finish_reasons = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
-        return Output(text, chunks[-1].usage.completion_tokens, finish_reasons[-1])
-    if case.api == "chat":
-        response = client.chat.completions.create(messages=[{"role": "user", "content": case.prompt}], **common)
-        return Output(response.choices[0].message.content, response.usage.completion_tokens, response.choices[0].finish_reason)
-    response = client.completions.create(prompt=case.prompt, **common)
-    return Output(response.choices[0].text, response.usage.completion_tokens, response.choices[0].finish_reason)
 
 
 def _client(base_url: str) -> openai.OpenAI:
@@ -86,7 +49,7 @@ def verifier_url(small_gguf):
 @pytest.fixture(scope="module")
 def target_outputs(verifier_url, small_gguf) -> dict[str, Output]:
     client = _client(verifier_url)
-    return {case.id: generate(client, small_gguf, case, stream=False) for case in CASES}
+    return {case.id: generate(client, case, small_gguf, stream=False) for case in CASES}
 
 
 @dataclass(frozen=True)
@@ -113,7 +76,7 @@ def test_the_edge_drafts_with_llama_cpp(edge):
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_greedy_output_equals_the_target_only_output(edge, target_outputs, small_gguf, case):
-    assert generate(_client(edge.url), small_gguf, case) == target_outputs[case.id]
+    assert generate(_client(edge.url), case, small_gguf) == target_outputs[case.id]
 
 
 def test_a_seeded_sampled_request_repeats_exactly_at_a_fixed_draft_length(edge, small_gguf):
@@ -121,7 +84,7 @@ def test_a_seeded_sampled_request_repeats_exactly_at_a_fixed_draft_length(edge, 
     same text, as long as the blocks are cut the same way: an adaptive length follows measured
     times, so there only the budget is checked."""
     case = Case("chat", "Tell me a story about a robot.", 10)
-    first, second = (generate(_client(edge.url), small_gguf, case, temperature=0.9, top_p=0.95, seed=7) for _ in range(2))
+    first, second = (generate(_client(edge.url), case, small_gguf, temperature=0.9, top_p=0.95, seed=7) for _ in range(2))
     assert (first.completion_tokens, second.completion_tokens) == (10, 10)
     if edge.draft_length != "auto":
         assert first == second

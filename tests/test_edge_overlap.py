@@ -12,121 +12,20 @@ import pytest
 from edge_agent.draft_ahead import DraftAhead, join_blocks
 from edge_agent.draft_length import BlockOutcome, FixedDraftLength
 from edge_agent.drafter import DraftBlock
-from edge_agent.engine import SpeculativeEngine
-from edge_agent.metrics import EdgeMetrics
-from edge_agent.verifier_client import VerifyCall
 from gateway.engine import GenerationRequest
-from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from spade_core.params import SamplingConfig
-from verifier_service.protocol import SparseDistribution, VerifyResponse, VerifyTimings
-
-VOCAB = 50
-EOS = 49
-GREEDY = SamplingConfig(temperature=0.0)
-
-
-def draft_rule(context: list[int]) -> int:
-    return (context[-1] * 3 + 1) % 48
-
-
-def target_rule(context: list[int]) -> int:
-    """The draft's rule, except at every 7th position."""
-    return (context[-1] * 3 + (2 if len(context) % 7 == 0 else 1)) % 48
-
-
-def target_continuation(prompt: list[int], num_tokens: int) -> list[int]:
-    context = list(prompt)
-    for _ in range(num_tokens):
-        context.append(target_rule(context))
-    return context[len(prompt) :]
-
-
-@dataclass
-class ScriptedDrafter:
-    proposals: list[tuple[int, int]] = field(default_factory=list)
-    """(context length, tokens asked) of every proposal."""
-
-    def start_session(self) -> ScriptedDrafter:
-        return self
-
-    def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
-        self.proposals.append((len(context), num_tokens))
-        tokens = list(context)
-        for _ in range(num_tokens):
-            tokens.append(draft_rule(tokens))
-        return DraftBlock(tokens[len(context) :], None)
-
-    def close(self) -> None:
-        pass
-
-
-@dataclass
-class ScriptedVerifier:
-    """Greedy verification by ``target_rule``; each call takes ``latency_s`` (the edge drafts ahead meanwhile)."""
-
-    latency_s: float = 0.2
-    hang_on_call: int | None = None
-    calls: list[VerifyCall] = field(default_factory=list)
-    verdicts: list[tuple[list[int], list[int], int, int]] = field(default_factory=list)
-    """(context, block, accepted, next token) of every answered call."""
-    cancelled: list[int] = field(default_factory=list)
-
-    def open_session(self) -> ScriptedVerifier:
-        return self
-
-    async def verify(
-        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
-    ) -> VerifyCall:
-        call = len(self.calls)
-        try:
-            await asyncio.sleep(3600 if call == self.hang_on_call else self.latency_s)
-        except asyncio.CancelledError:
-            self.cancelled.append(call)
-            raise
-        committed, num_accepted = list(context), 0
-        for token in block.token_ids:
-            if token != target_rule(committed):
-                break
-            committed.append(token)
-            num_accepted += 1
-        next_token = target_rule(committed)
-        self.verdicts.append((list(context), list(block.token_ids), num_accepted, next_token))
-        verdict = VerifyResponse(
-            session_id="s",
-            num_accepted=num_accepted,
-            next_token=next_token,
-            next_token_kind="bonus" if num_accepted == len(block.token_ids) else "correction",
-            logprobs=[0.0] * (num_accepted + 1),
-            context_length=len(committed) + 1,
-            num_target_tokens=len(block.token_ids) + 1,
-            advised_draft_length=64,
-            timings=VerifyTimings(queue_ms=0.0, forward_ms=1.0, total_ms=1.0),
-        )
-        self.calls.append(VerifyCall(verdict, self.latency_s, 0, 0, False))
-        return self.calls[-1]
-
-    def close(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
-
-PROMPT = [5, 11, 2]
-
-
-def _engine(drafter, verifier, overlap: bool, draft_length: int = 4) -> SpeculativeEngine:
-    target = ModelDescription("target", VOCAB, 10_000, frozenset({EOS}))
-    return SpeculativeEngine(drafter, None, verifier, target, FixedDraftLength(draft_length), EdgeMetrics(), overlap=overlap)
-
-
-async def _generate(engine: SpeculativeEngine, max_tokens: int) -> tuple[list[int], SpadeStats]:
-    stats = SpadeStats()
-    request = GenerationRequest("r", PROMPT, max_tokens, GREEDY, frozenset({EOS}))
-    tokens = [token for batch in [batch async for batch in engine.generate(request, stats)] for token in batch.token_ids]
-    await engine.aclose()
-    return tokens, stats
+from scripted_support import (
+    EOS,
+    GREEDY,
+    PROMPT,
+    ScriptedDrafter,
+    ScriptedVerifier,
+    draft_rule,
+    generate,
+    scripted_engine,
+    target_continuation,
+)
+from verifier_service.protocol import SparseDistribution
 
 
 def _expected_overlap(verdicts, max_tokens: int) -> tuple[int, int]:
@@ -147,14 +46,14 @@ def _expected_overlap(verdicts, max_tokens: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlap"])
 async def test_the_output_is_the_targets_with_and_without_overlap(overlap):
-    tokens, stats = await _generate(_engine(ScriptedDrafter(), ScriptedVerifier(latency_s=0.05), overlap), 40)
+    tokens, stats = await generate(scripted_engine(ScriptedDrafter(), ScriptedVerifier(latency_s=0.05), overlap=overlap), 40)
     assert tokens == target_continuation(PROMPT, 40)
     assert stats.verify_calls < 40
 
 
 async def test_a_hit_starts_the_next_block_with_what_was_drafted_ahead():
     drafter, verifier = ScriptedDrafter(), ScriptedVerifier()
-    tokens, stats = await _generate(_engine(drafter, verifier, overlap=True), 30)
+    tokens, stats = await generate(scripted_engine(drafter, verifier, overlap=True), 30)
     assert tokens == target_continuation(PROMPT, 30)
     assert stats.overlap_hits >= 1
     # Ahead drafting asks one token at a time; a block drafted in line asks for several. After a
@@ -165,7 +64,7 @@ async def test_a_hit_starts_the_next_block_with_what_was_drafted_ahead():
 
 async def test_hits_and_misses_follow_the_verdicts():
     verifier = ScriptedVerifier()
-    tokens, stats = await _generate(_engine(ScriptedDrafter(), verifier, overlap=True), 30)
+    tokens, stats = await generate(scripted_engine(ScriptedDrafter(), verifier, overlap=True), 30)
     hits, misses = _expected_overlap(verifier.verdicts, 30)
     assert (stats.overlap_hits, stats.overlap_misses) == (hits, misses)
     assert hits > 0 and misses > 0
@@ -173,14 +72,14 @@ async def test_hits_and_misses_follow_the_verdicts():
 
 async def test_without_overlap_nothing_is_drafted_ahead():
     drafter = ScriptedDrafter()
-    _, stats = await _generate(_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=False), 20)
+    _, stats = await generate(scripted_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=False), 20)
     assert (stats.overlap_hits, stats.overlap_misses) == (0, 0)
     assert len(drafter.proposals) == stats.verify_calls
 
 
 async def test_a_cancelled_request_cancels_its_verify_call_in_flight():
     verifier = ScriptedVerifier(latency_s=0.01, hang_on_call=1)
-    engine = _engine(ScriptedDrafter(), verifier, overlap=True)
+    engine = scripted_engine(ScriptedDrafter(), verifier, overlap=True)
     request = GenerationRequest("r", PROMPT, 40, GREEDY, frozenset({EOS}))
     received = []
 
@@ -216,17 +115,8 @@ async def test_the_controller_gets_no_draft_rate_from_the_block_that_prefilled_t
     # draft model's prefill over the prompt (seconds on a long prompt): as a per-token rate it
     # would tell the controller drafting is that slow.
     lengths = RecordingLength(4)
-    engine = SpeculativeEngine(
-        ScriptedDrafter(),
-        None,
-        ScriptedVerifier(latency_s=0.01),
-        ModelDescription("target", VOCAB, 10_000, frozenset({EOS})),
-        lengths,
-        EdgeMetrics(),
-        overlap=overlap,
-        prefill_first=prefill_first,
-    )
-    await _generate(engine, 30)
+    engine = scripted_engine(ScriptedDrafter(), ScriptedVerifier(latency_s=0.01), lengths, overlap=overlap, prefill_first=prefill_first)
+    await generate(engine, 30)
     drafted = [outcome for outcome in lengths.outcomes if outcome.num_drafted > 0]
     assert (len(drafted) < len(lengths.outcomes)) == prefill_first  # the prompt-only call: a block of 0
     first, *later = drafted
@@ -285,6 +175,6 @@ async def test_shutting_the_engine_down_closes_the_drafter_once():
     """The llama.cpp drafter holds a native context (hundreds of MB of KV): the engine frees it
     at shutdown instead of leaving it to the garbage collector."""
     drafter = CountingDrafter()
-    tokens, _ = await _generate(_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=True), 12)
+    tokens, _ = await generate(scripted_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=True), 12)
     assert tokens == target_continuation(PROMPT, 12)
     assert drafter.drafter_closes == 1

@@ -26,28 +26,27 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from edge_agent.draft_length import AdaptiveDraftLength, FixedDraftLength
-from edge_agent.engine import SpeculativeEngine
+from edge_agent.draft_length import AdaptiveDraftLength
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
 from edge_support import in_process_engine
 from gateway.engine import GenerationRequest
 from gateway.errors import ServiceUnavailableError
-from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from spade_core.params import SamplingConfig
-from test_edge_overlap import (
+from scripted_support import (
     EOS,
     GREEDY,
     PROMPT,
-    VOCAB,
     ScriptedDrafter,
     ScriptedVerifier,
-    _generate,
+    draft_continuation,
     draft_rule,
+    generate,
+    scripted_engine,
     target_continuation,
     target_rule,
 )
+from spade_core.params import SamplingConfig
 from verifier_service.protocol import VerifyTimings
 
 GATE_S = 30.0
@@ -78,26 +77,16 @@ class UnreachableVerifier(ScriptedVerifier):
         raise ServiceUnavailableError("the verifier is gone", code="verifier_unavailable")
 
 
-def _engine(drafter, verifier, *, overlap=True, prefill_first=True, draft_length=None, fallback=False, metrics=None) -> SpeculativeEngine:
-    target = ModelDescription("target", VOCAB, 10_000, frozenset({EOS}))
-    return SpeculativeEngine(
+def _engine(drafter, verifier, *, overlap=True, prefill_first=True, draft_length=None, fallback=False, metrics=None):
+    return scripted_engine(
         drafter,
-        None,
         verifier,
-        target,
-        draft_length or FixedDraftLength(4),
-        metrics or EdgeMetrics(),
+        draft_length,
+        metrics,
         fallback_to_draft=fallback,
         overlap=overlap,
         prefill_first=prefill_first,
     )
-
-
-def _draft_continuation(prompt: list[int], num_tokens: int) -> list[int]:
-    context = list(prompt)
-    for _ in range(num_tokens):
-        context.append(draft_rule(context))
-    return context[len(prompt) :]
 
 
 # --- the first call, scripted ---------------------------------------------------------------------
@@ -106,7 +95,7 @@ def _draft_continuation(prompt: list[int], num_tokens: int) -> list[int]:
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
 async def test_the_first_call_carries_the_prompt_alone_and_the_rest_drafted_blocks(overlap):
     verifier = ScriptedVerifier(latency_s=0.05)
-    tokens, stats = await _generate(_engine(ScriptedDrafter(), verifier, overlap=overlap), 30)
+    tokens, stats = await generate(_engine(ScriptedDrafter(), verifier, overlap=overlap), 30)
     assert tokens == target_continuation(PROMPT, 30)
     assert verifier.verdicts[0] == (PROMPT, [], 0, target_rule(PROMPT))
     assert all(block for _, block, _, _ in verifier.verdicts[1:])
@@ -120,7 +109,7 @@ async def test_the_first_call_carries_the_prompt_alone_and_the_rest_drafted_bloc
 
 async def test_while_the_prompt_only_call_is_out_the_draft_prefills_and_drafts_ahead():
     drafter, verifier = ScriptedDrafter(), ScriptedVerifier(latency_s=0.2)
-    tokens, stats = await _generate(_engine(drafter, verifier), 30)
+    tokens, stats = await generate(_engine(drafter, verifier), 30)
     assert tokens == target_continuation(PROMPT, 30)
     # The first draft forward runs over the prompt alone (the draft's prefill), one token at a
     # time: the guess of the target's first token, then the block after it.
@@ -129,7 +118,7 @@ async def test_while_the_prompt_only_call_is_out_the_draft_prefills_and_drafts_a
     # what was drafted ahead, with no drafting in line before it.
     assert target_rule(PROMPT) == draft_rule(PROMPT) and stats.overlap_hits >= 1
     first_token = verifier.verdicts[0][3]
-    assert verifier.verdicts[1][:2] == (PROMPT + [first_token], _draft_continuation(PROMPT + [first_token], 4))
+    assert verifier.verdicts[1][:2] == (PROMPT + [first_token], draft_continuation(PROMPT + [first_token], 4))
     assert (len(PROMPT) + 1, 4) not in drafter.proposals
 
 
@@ -164,7 +153,7 @@ async def test_the_first_token_does_not_wait_for_the_drafts_prefill():
 
 async def test_without_overlap_the_draft_waits_for_the_first_token():
     drafter = ScriptedDrafter()
-    tokens, stats = await _generate(_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=False), 20)
+    tokens, stats = await generate(_engine(drafter, ScriptedVerifier(latency_s=0.01), overlap=False), 20)
     assert tokens == target_continuation(PROMPT, 20)
     assert drafter.proposals[0] == (len(PROMPT) + 1, 4)
     assert (stats.overlap_hits, stats.overlap_misses) == (0, 0)
@@ -172,13 +161,13 @@ async def test_without_overlap_the_draft_waits_for_the_first_token():
 
 async def test_a_one_token_budget_is_the_prompt_only_call_alone():
     drafter, verifier = ScriptedDrafter(), ScriptedVerifier(latency_s=0.01)
-    tokens, stats = await _generate(_engine(drafter, verifier), 1)
+    tokens, stats = await generate(_engine(drafter, verifier), 1)
     assert (tokens, stats.verify_calls, stats.drafted_tokens, drafter.proposals) == ([target_rule(PROMPT)], 1, 0, [])
 
 
 async def test_the_call_is_a_block_of_zero_on_metrics():
     verifier, metrics = ScriptedVerifier(latency_s=0.01), EdgeMetrics()
-    _, stats = await _generate(_engine(ScriptedDrafter(), verifier, metrics=metrics), 20)
+    _, stats = await generate(_engine(ScriptedDrafter(), verifier, metrics=metrics), 20)
     sample = metrics.registry.get_sample_value
     assert sample("spade_edge_verify_calls_total") == stats.verify_calls == len(verifier.verdicts)
     assert sample("spade_edge_draft_length_count") == stats.verify_calls
@@ -191,7 +180,7 @@ async def test_the_adaptive_length_learns_nothing_from_the_prompt_only_call():
     blocks look seconds long."""
     shared = AdaptiveDraftLength(max_length=8, overlap=True)
     verifier = PrefillTimingVerifier(latency_s=0.01)
-    tokens, _ = await _generate(_engine(ScriptedDrafter(), verifier, draft_length=shared), 30)
+    tokens, _ = await generate(_engine(ScriptedDrafter(), verifier, draft_length=shared), 30)
     assert tokens == target_continuation(PROMPT, 30)
     assert verifier.verdicts[0][1] == [] and len(verifier.verdicts) > 1
     assert 0 not in shared.verify_curve.points
@@ -205,9 +194,9 @@ async def test_with_the_setting_off_the_first_call_carries_a_drafted_block():
     verifier = ScriptedVerifier(latency_s=0.01)
     engine = _engine(ScriptedDrafter(), verifier, prefill_first=False)
     assert not engine.prefill_first
-    tokens, _ = await _generate(engine, 20)
+    tokens, _ = await generate(engine, 20)
     assert tokens == target_continuation(PROMPT, 20)
-    assert verifier.verdicts[0][:2] == (PROMPT, _draft_continuation(PROMPT, 4))
+    assert verifier.verdicts[0][:2] == (PROMPT, draft_continuation(PROMPT, 4))
 
 
 # --- fallback to the draft ------------------------------------------------------------------------
@@ -216,15 +205,15 @@ async def test_with_the_setting_off_the_first_call_carries_a_drafted_block():
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
 async def test_with_the_verifier_unreachable_a_drafted_block_is_served_instead(overlap):
     verifier = UnreachableVerifier()
-    tokens, stats = await _generate(_engine(ScriptedDrafter(), verifier, overlap=overlap, fallback=True), 12)
-    assert tokens == _draft_continuation(PROMPT, 12)
+    tokens, stats = await generate(_engine(ScriptedDrafter(), verifier, overlap=overlap, fallback=True), 12)
+    assert tokens == draft_continuation(PROMPT, 12)
     assert (stats.fallback_tokens, stats.verify_calls) == (12, 0)
     assert verifier.tried[0] == [] and all(verifier.tried[1:])
 
 
 async def test_without_fallback_the_failed_prompt_only_call_ends_the_request():
     with pytest.raises(ServiceUnavailableError):
-        await _generate(_engine(ScriptedDrafter(), UnreachableVerifier()), 12)
+        await generate(_engine(ScriptedDrafter(), UnreachableVerifier()), 12)
 
 
 # --- the real models ------------------------------------------------------------------------------

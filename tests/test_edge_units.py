@@ -1,4 +1,4 @@
-"""Units of the edge agent: the engine's block and budget arithmetic, the account of a verified
+"""Units of the edge agent: a generation's block and budget arithmetic, the account of a verified
 block (stats, metrics, policy), and the model drafter (greedy proposals, KV cache reuse,
 sampled distributions)."""
 
@@ -7,24 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from edge_agent.accounting import block_outcome, count_call
 from edge_agent.draft_ahead import Drafting
-from edge_agent.draft_length import BlockOutcome, FixedDraftLength
-from edge_agent.drafter import ModelDrafter
-from edge_agent.engine import SpeculativeEngine, block_outcome, count_call
+from edge_agent.draft_length import BlockOutcome
+from edge_agent.drafter import DraftLimits, ModelDrafter
+from edge_agent.generation import draft_length, num_delivered
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
-from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import VerifyResponse, VerifyTimings
 
 EOS = 9
 
-# The engine's block and budget arithmetic -------------------------------------------------------
+# A generation's block and budget arithmetic ---------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("emitted", "remaining", "kept"),
+    ("committed", "num_left", "delivered"),
     [
         ([5, 6, 7], 10, 3),  # all of them
         ([5, 6, 7], 2, 2),  # cut to the budget
@@ -34,27 +34,25 @@ EOS = 9
         ([5, 6, EOS], 2, 2),  # EOS past the budget
     ],
 )
-def test_kept_tokens(emitted, remaining, kept):
-    assert SpeculativeEngine.kept_tokens(emitted, remaining, frozenset({EOS})) == kept
-
-
-def _engine(draft_length: int = 5, max_context_length: int = 1000) -> SpeculativeEngine:
-    target = ModelDescription("target", 384, max_context_length, frozenset({EOS}))
-    return SpeculativeEngine(None, None, None, target, FixedDraftLength(draft_length), EdgeMetrics())
+def test_num_delivered(committed, num_left, delivered):
+    assert num_delivered(committed, num_left, frozenset({EOS})) == delivered
 
 
 @pytest.mark.parametrize(
-    ("engine_arguments", "remaining", "context_length", "block"),
+    ("chosen", "num_left", "room", "verifier_advice", "length"),
     [
-        (dict(draft_length=5), 100, 10, 5),  # the policy's choice
-        (dict(draft_length=5), 4, 10, 3),  # a block of 3 yields up to the 4 tokens left
-        (dict(draft_length=5), 1, 10, 1),  # never an empty block
-        (dict(draft_length=5, max_context_length=64), 100, 60, 4),  # 60 + 4 drafted fed = 64
+        (5, 100, 990, None, 5),  # the policy's choice
+        (5, 4, 990, None, 3),  # a block of 3 yields up to the 4 tokens left
+        (5, 1, 990, None, 1),  # never an empty block
+        (5, 100, 4, None, 4),  # a context of 60 in 64: 60 + 4 drafted fed = 64
+        (5, 100, 990, 2, 2),  # the verifier advised blocks of 2 at most
+        (5, 100, 990, 8, 5),  # advice above the choice changes nothing
+        (5, 3, 990, 4, 2),  # the tightest cap wins: the budget
+        (5, 100, 990, 0, 1),  # advice of 0 still drafts a block of 1
     ],
 )
-def test_draft_length(engine_arguments, remaining, context_length, block):
-    engine = _engine(**engine_arguments)
-    assert engine.draft_length(engine_arguments["draft_length"], remaining, context_length) == block
+def test_draft_length_is_the_choice_within_every_cap(chosen, num_left, room, verifier_advice, length):
+    assert draft_length(chosen, num_left, room, verifier_advice) == length
 
 
 # One verified block: the request's stats, the service's metrics, the policy's lesson ------------
@@ -101,7 +99,7 @@ GREEDY = SamplingConfig(temperature=0.0)
 
 @pytest.fixture(scope="module")
 def drafter(draft_model) -> ModelDrafter:
-    return ModelDrafter(draft_model, max_support=8)
+    return ModelDrafter(draft_model, DraftLimits(max_support=8))
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +194,7 @@ def test_the_same_seed_drafts_the_same_block(drafter, context):
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=2.0, seed=3)], ids=["greedy", "sampled"])
 def test_no_drafted_token_reaches_the_verifiers_vocabulary_limit(draft_model, context, sampling):
-    limited = ModelDrafter(draft_model, max_support=384, vocab_limit=100)
+    limited = ModelDrafter(draft_model, DraftLimits(max_support=384, vocab_limit=100))
     block = limited.start_session().propose(context, 16, sampling)
     support = [token_id for row in block.probs or [] for token_id in row.token_ids]
     assert max(block.token_ids + support) < 100

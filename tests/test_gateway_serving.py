@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from fastapi import FastAPI
 
 from gateway.engine import GeneratedTokens, GenerationRequest
-from gateway.errors import ServiceUnavailableError, install_error_handlers
+from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from gateway.routes import build_openai_router
+from gateway_support import gateway_app
 from spade_models.tiny import TinyPairSpec, build_tokenizer
 
 MODEL = "stub-model"
@@ -67,16 +66,8 @@ def tokenizer():
     return build_tokenizer(TinyPairSpec(vocab="letters"))
 
 
-def make_app(engine) -> FastAPI:
-    app = FastAPI()
-    install_error_handlers(app)
-    app.include_router(build_openai_router())
-    app.state.engine = engine
-    return app
-
-
 async def post(engine, path: str, body: dict) -> httpx.Response:
-    transport = httpx.ASGITransport(app=make_app(engine), raise_app_exceptions=False)
+    transport = httpx.ASGITransport(app=gateway_app(engine), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
         return await client.post(path, json=body)
 
@@ -238,7 +229,7 @@ async def test_a_model_without_a_chat_template_points_to_completions(tokenizer):
 
 
 async def test_no_engine_yet_is_a_503_loading(tokenizer):
-    transport = httpx.ASGITransport(app=make_app(None), raise_app_exceptions=False)
+    transport = httpx.ASGITransport(app=gateway_app(None), raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
         response = await client.get("/v1/models")
     assert response.status_code == 503

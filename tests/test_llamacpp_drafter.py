@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from edge_agent.draft_backend import LLAMACPP, TRANSFORMERS, choose_draft_backend
+from edge_agent.drafter import DraftLimits
 from edge_agent.llamacpp_drafter import LlamaCppDrafter, default_threads, load_llamacpp_draft
 from gateway.errors import InvalidRequestError, OverloadedError
 from spade_core.params import SamplingConfig
@@ -176,7 +177,7 @@ def test_a_sampled_token_is_drawn_from_exactly_the_distribution_sent(drafter, pr
     assert len(block.probs) == 4
     for index, (token_id, distribution) in enumerate(zip(block.token_ids, block.probs, strict=True)):
         logits = torch.from_numpy(reference.logits_after(prompts[0] + block.token_ids[:index]))
-        support_ids, support_probs = truncate_to_top_n(processed_probs(logits, sampling), drafter.max_support)
+        support_ids, support_probs = truncate_to_top_n(processed_probs(logits, sampling), drafter.limits.max_support)
         assert (distribution.token_ids, distribution.probs) == (support_ids.tolist(), support_probs.tolist())
         assert token_id == int(support_ids[sample_from(support_probs, float(uniforms[index, 0]))])
         assert token_id in distribution.token_ids
@@ -186,7 +187,7 @@ def test_no_token_at_or_beyond_the_vocab_limit_is_drafted(draft, prompts, refere
     limit = 500  # SmolLM2's greedy continuation of these prompts uses higher ids
     unrestricted = reference.greedy(prompts[0], 6)
     assert max(unrestricted) >= limit
-    limited = LlamaCppDrafter(draft, 256, threads=1, max_sessions=1, vocab_limit=limit)
+    limited = LlamaCppDrafter(draft, 256, threads=1, max_sessions=1, limits=DraftLimits(vocab_limit=limit))
     session = limited.start_session()
     try:
         greedy = session.propose(prompts[0], 6, GREEDY)

@@ -39,13 +39,12 @@ from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
 from edge_support import edge_app, verifier_app
 from gateway.engine import GeneratedTokens, GenerationRequest, LogprobsSupport
-from gateway.errors import install_error_handlers
 from gateway.logprobs import TokenSpan, TokenSpans, token_bytes, token_text
 from gateway.model import ModelDescription
 from gateway.prompts import chat_prompt_ids, text_prompt_ids
 from gateway.protocol import SpadeStats
-from gateway.routes import build_openai_router
 from gateway.text import REPLACEMENT_CHAR
+from gateway_support import gateway_app
 from servers import serve
 from spade_core.params import SamplingConfig
 from spade_core.sampling import processed_probs
@@ -349,14 +348,6 @@ class ScriptedEngine:
 @pytest.fixture(scope="module")
 def letters():
     return build_tokenizer(TinyPairSpec(vocab="letters"))
-
-
-def gateway_app(engine) -> FastAPI:
-    app = FastAPI()
-    install_error_handlers(app)
-    app.include_router(build_openai_router())
-    app.state.engine = engine
-    return app
 
 
 async def post(app: FastAPI, path: str, body: dict) -> httpx.Response:

@@ -30,24 +30,13 @@ from verifier_support import (
     new_session_id,
     plain_forward_logits,
     random_tokens,
-    running_client,
-    verifier_app,
+    running_verifier,
     verify,
     verify_body,
 )
 
 GREEDY = SamplingConfig(temperature=0.0)
 SEEDED = SamplingConfig(temperature=0.8, top_k=0, top_p=1.0, seed=11)
-
-
-@pytest.fixture(scope="module")
-def model(target_model):
-    return target_model.model
-
-
-@pytest.fixture(scope="module")
-def vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
 
 
 def _filled_cache(model, token_ids: list[int]):
@@ -439,7 +428,7 @@ def test_holding_a_forward_lets_two_edges_share_their_forwards():
 
 def test_forwards_and_their_sessions_are_on_metrics_and_in_timings(tiny_pair, vocab_size):
     rng = random.Random(3)
-    with running_client(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=0.0)) as client:
+    with running_verifier(tiny_pair, max_batch_sessions=4, batch_wait_ms=0.0) as client:
         context = random_tokens(rng, 8, vocab_size)
         answer = verify(client, verify_body(new_session_id(), [], random_tokens(rng, 3, vocab_size), new_tokens=context))
         metrics = client.get("/metrics").text

@@ -33,29 +33,12 @@ from verifier_support import (
     post_verify,
     random_tokens,
     reference_verdict,
-    running_client,
+    running_verifier,
     verdict,
     verifier_app,
     verify,
     verify_body,
 )
-
-
-@pytest.fixture(scope="module")
-def client(tiny_pair):
-    with running_client(verifier_app(tiny_pair)) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(target_model):
-    return target_model.model
-
-
-@pytest.fixture(scope="module")
-def vocab_size(target_model) -> int:
-    return target_model.model.get_output_embeddings().weight.shape[0]
-
 
 # --- answers equal a plain forward ------------------------------------------------------------
 
@@ -365,7 +348,7 @@ def verify_metrics(tiny_pair, target_model) -> dict[str, float]:
     model = target_model.model
     vocab_size = model.get_output_embeddings().weight.shape[0]
     rng = random.Random(33)
-    with running_client(verifier_app(tiny_pair)) as client:
+    with running_verifier(tiny_pair) as client:
         context = random_tokens(rng, 15, vocab_size)
         block = greedy_block(model, context, 3, 1, vocab_size, rng)
         body = verify_body(new_session_id(), [], block, new_tokens=context)
@@ -465,7 +448,7 @@ def test_target_only_request_releases_its_cache(tiny_pair, target_model, stops_e
     prompt_ids = tokenizer.encode("def add(a, b):")
     first_character = tokenizer.decode(greedy_continuation(target_model.model, prompt_ids, 1))[0]
     body = {"model": "target", "prompt": prompt_ids, "max_tokens": 6, "temperature": 0.0}
-    with running_client(verifier_app(tiny_pair)) as client:
+    with running_verifier(tiny_pair) as client:
         response = client.post("/v1/completions", json=body | ({"stop": first_character} if stops_early else {}))
         assert response.json()["choices"][0]["finish_reason"] == ("stop" if stops_early else "length")
         assert wait_until(lambda: client.app.state.service.backend.num_cached_sessions == 0)

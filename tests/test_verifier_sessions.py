@@ -17,17 +17,10 @@ from verifier_support import (
     open_session,
     post_verify,
     random_tokens,
-    running_client,
-    verifier_app,
+    running_verifier,
     verify,
     verify_body,
 )
-
-
-@pytest.fixture(scope="module")
-def vocab_size(target_model) -> int:
-    return target_model.model.get_output_embeddings().weight.shape[0]
-
 
 # --- eviction: LRU and TTL --------------------------------------------------------------------
 
@@ -38,14 +31,14 @@ def follow_up_status(client, session: Session) -> int:
 
 def test_least_recently_used_session_is_evicted_beyond_max_sessions(tiny_pair, vocab_size):
     rng = random.Random(28)
-    with running_client(verifier_app(tiny_pair, max_sessions=2)) as client:
+    with running_verifier(tiny_pair, max_sessions=2) as client:
         first, second, third = (open_session(client, random_tokens(rng, 6, vocab_size), [5]) for _ in range(3))
         assert [follow_up_status(client, s) for s in (first, second, third)] == [409, 200, 200]
 
 
 def test_a_recently_used_session_is_kept_over_an_older_one(tiny_pair, vocab_size):
     rng = random.Random(29)
-    with running_client(verifier_app(tiny_pair, max_sessions=2)) as client:
+    with running_verifier(tiny_pair, max_sessions=2) as client:
         first, second = (open_session(client, random_tokens(rng, 6, vocab_size), [5]) for _ in range(2))
         answer = verify(client, verify_body(first.session_id, first.committed, [5]))
         first.committed = committed_after(first.committed, [5], answer)
@@ -55,13 +48,13 @@ def test_a_recently_used_session_is_kept_over_an_older_one(tiny_pair, vocab_size
 
 def test_sessions_are_evicted_beyond_the_total_token_budget(tiny_pair, vocab_size):
     rng = random.Random(30)
-    with running_client(verifier_app(tiny_pair, max_session_tokens=30)) as client:
+    with running_verifier(tiny_pair, max_session_tokens=30) as client:
         first, second = (open_session(client, random_tokens(rng, 20, vocab_size), [5]) for _ in range(2))
         assert [follow_up_status(client, s) for s in (first, second)] == [409, 200]
 
 
 def test_idle_session_past_its_ttl_is_answered_409(tiny_pair, vocab_size):
-    with running_client(verifier_app(tiny_pair, session_ttl_s=0.05)) as client:
+    with running_verifier(tiny_pair, session_ttl_s=0.05) as client:
         session = open_session(client, random_tokens(random.Random(31), 6, vocab_size), [5])
         time.sleep(0.1)  # longer than the TTL, however slow the machine
         assert follow_up_status(client, session) == 409
@@ -69,7 +62,7 @@ def test_idle_session_past_its_ttl_is_answered_409(tiny_pair, vocab_size):
 
 def test_idle_session_past_its_ttl_is_evicted_by_other_traffic(tiny_pair, vocab_size):
     rng = random.Random(32)
-    with running_client(verifier_app(tiny_pair, session_ttl_s=0.05)) as client:
+    with running_verifier(tiny_pair, session_ttl_s=0.05) as client:
         idle = open_session(client, random_tokens(rng, 6, vocab_size), [5])
         time.sleep(0.1)
         open_session(client, random_tokens(rng, 6, vocab_size), [5])

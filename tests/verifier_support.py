@@ -121,6 +121,14 @@ def running_client(app):
         yield client
 
 
+@contextlib.contextmanager
+def running_verifier(tiny_pair, **overrides):
+    """An in-process client of a verifier on the tiny target (``verifier_app``'s settings and
+    ``overrides``) once its model has loaded."""
+    with running_client(verifier_app(tiny_pair, **overrides)) as client:
+        yield client
+
+
 def new_session_id() -> str:
     return "s-" + uuid.uuid4().hex[:12]
 

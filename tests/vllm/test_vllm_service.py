@@ -18,9 +18,9 @@ import httpx
 import openai
 import pytest
 
+from bad_input_support import AT_THE_LIMIT, BAD_VERIFY_CALLS, complete_past_the_limit, outcome, verify_past_the_limit
 from edge_support import edge_app
 from servers import serve
-from test_verifier_errors import AT_THE_LIMIT, BAD_VERIFY_CALLS, complete_past_the_limit, outcome, verify_past_the_limit
 from verifier_service.protocol import WIRE_VERSION
 from verifier_support import (
     ENVELOPE_KEYS,

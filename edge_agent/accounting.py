@@ -1,0 +1,86 @@
+"""The edge's bookkeeping, in one place: what each step of a generation records in the
+request's ``spade`` stats, in the service's metrics, and in the draft-length policy (the lesson
+of each verified block). Nothing here decides what the loop does next."""
+
+from __future__ import annotations
+
+from edge_agent.draft_ahead import Drafting
+from edge_agent.draft_length import BlockOutcome
+from edge_agent.drafter import DraftBlock
+from edge_agent.generation import Generation
+from edge_agent.metrics import EdgeMetrics
+from edge_agent.verifier_client import VerifyCall
+from gateway.protocol import SpadeStats
+
+
+def record_request_started(metrics: EdgeMetrics) -> None:
+    metrics.requests.inc()
+    metrics.active_requests.inc()
+
+
+def record_request_ended(metrics: EdgeMetrics) -> None:
+    metrics.active_requests.dec()
+
+
+def record_drafted_ahead(metrics: EdgeMetrics, generation: Generation, num_tokens: int, seconds: float) -> None:
+    """Tokens drafted while a verify call was in flight (or finished after its verdict)."""
+    metrics.draft_ahead_tokens.inc(num_tokens)
+    generation.stats.draft_ahead_ms += seconds * 1e3
+
+
+def record_overlap(metrics: EdgeMetrics, generation: Generation, is_hit: bool) -> None:
+    """A hit: what was drafted ahead starts the next block. A miss: it is rolled back, unused."""
+    if is_hit:
+        generation.stats.overlap_hits += 1
+        metrics.overlap_hits.inc()
+    else:
+        generation.stats.overlap_misses += 1
+        metrics.overlap_misses.inc()
+
+
+def record_unreachable_verifier(metrics: EdgeMetrics) -> None:
+    """A verify call failed for good (the generation ends, or falls back to the draft)."""
+    metrics.verify_failures.inc()
+
+
+def record_verified_block(
+    metrics: EdgeMetrics, generation: Generation, block: DraftBlock, call: VerifyCall | None, drafting: Drafting
+) -> None:
+    """One block sent for verification: its verdict counted in the request's stats and the
+    metrics, and taught to the draft-length policy; with no verdict (verifier unreachable,
+    ``--fallback draft``) its tokens counted as served unverified."""
+    num_drafted = len(block.token_ids)
+    if call is None:
+        generation.stats.fallback_tokens += num_drafted
+        generation.stats.draft_ms += drafting.exposed_s * 1e3
+        metrics.fallback_tokens.inc(num_drafted)
+        return
+    count_call(generation.stats, call, num_drafted, drafting)
+    metrics.observe_call(call, num_drafted, drafting.exposed_s)
+    generation.policy.observe(block_outcome(call, num_drafted, drafting))
+
+
+def record_delivered(metrics: EdgeMetrics, delivered: list[int]) -> None:
+    metrics.generated_tokens.inc(len(delivered))
+
+
+def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: Drafting) -> None:
+    """The request's own account of one verified block (the ``spade`` object of its response)."""
+    verdict = call.verdict
+    stats.verify_calls += 1
+    stats.drafted_tokens += num_drafted
+    stats.accepted_tokens += verdict.num_accepted
+    stats.target_tokens += verdict.num_target_tokens
+    stats.resyncs += int(call.resynced)
+    stats.draft_ms += drafting.exposed_s * 1e3
+    stats.verify_ms += call.round_trip_s * 1e3
+    stats.verifier_forward_ms += verdict.timings.forward_ms
+
+
+def block_outcome(call: VerifyCall, num_drafted: int, drafting: Drafting) -> BlockOutcome:
+    """What the verified block teaches the draft-length policy."""
+    verdict = call.verdict
+    verifier_s = verdict.timings.total_ms / 1e3
+    return BlockOutcome(
+        num_drafted, verdict.num_accepted, drafting.seconds_per_token, call.round_trip_s, verifier_s, verdict.num_target_tokens
+    )

@@ -1,0 +1,96 @@
+"""One request's speculative generation: the object the engine's loop hands from step to step
+(as nano-vllm hands a ``Sequence``), and the rule for the length of its next block.
+
+Glossary: the *context* is the prompt and every committed token; a *block* is the drafted tokens
+one verify call checks; the verdict *commits* the accepted drafts and the target's next token;
+of those the request *delivers* the ones within its budget, through the first EOS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge_agent.draft_ahead import DraftAhead
+from edge_agent.draft_length import FixedDraftLength, RequestDraftLength
+from edge_agent.drafter import DraftSession
+from edge_agent.verifier_client import VerifierSession
+from gateway.engine import GenerationRequest
+from gateway.protocol import SpadeStats
+
+
+def draft_length(chosen: int, num_left: int, room: int, verifier_advice: int | None = None) -> int:
+    """The length of the next block: the policy's ``chosen`` length within every cap, never below 1
+    (an empty block is only the prompt-only first call's, decided by ``Generation.sends_prompt_only``).
+
+    Caps: the budget (a block of d yields up to d + 1 tokens, so d <= ``num_left`` - 1), the
+    context's ``room`` (context + block must fit: ``gateway.model``), and ``verifier_advice``, the
+    longest block the last verdict advised (None: no verdict carried one). Example: chosen 5,
+    4 tokens left, room 60 -> 3 (the block of 3 and the next token make the 4)."""
+    caps = [num_left - 1, room] if verifier_advice is None else [num_left - 1, room, verifier_advice]
+    return max(1, min(chosen, *caps))
+
+
+@dataclass
+class Generation:
+    """Everything one request's speculative loop reads and changes, in one place."""
+
+    request: GenerationRequest
+    stats: SpadeStats
+    """The request's own account (the ``spade`` object of its response)."""
+    draft_session: DraftSession
+    verifier_session: VerifierSession
+    policy: FixedDraftLength | RequestDraftLength
+    """The request's draft-length policy: ``next_length()`` before a block, ``observe`` after."""
+    context: list[int]
+    """The prompt and every committed token."""
+    sends_prompt_only: bool = False
+    """The next verify call carries the prompt alone (prefill first: only the first call)."""
+    num_generated: int = 0
+    """Tokens delivered so far."""
+    has_ended: bool = False
+    """An EOS was delivered."""
+    is_draft_prefilled: bool = False
+    """A block was drafted for this request (the first one also prefilled the draft model)."""
+    ahead: DraftAhead | None = None
+    """What was drafted past the block last sent, while the verifier checked it."""
+    verifier_advice: int | None = None
+    """The longest block the last verdict advised, a cap of ``draft_length``; None until a verdict carries one."""
+
+    @property
+    def num_left(self) -> int:
+        """Tokens the budget still allows."""
+        return self.request.max_tokens - self.num_generated
+
+    @property
+    def is_finished(self) -> bool:
+        return self.has_ended or self.num_left <= 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.request.num_top_logprobs is not None
+
+    def commit(self, committed: list[int]) -> list[int]:
+        """Add a call's committed tokens to the context; returns the ones to deliver. No token
+        (the prompt-only call fell back to the draft) leaves nothing drafted ahead usable."""
+        self.sends_prompt_only = False
+        if not committed:
+            self.drop_ahead()
+            return []
+        self.context += committed
+        delivered = committed[: num_delivered(committed, self.num_left, self.request.eos_token_ids)]
+        self.num_generated += len(delivered)
+        self.has_ended = delivered[-1] in self.request.eos_token_ids
+        return delivered
+
+    def drop_ahead(self) -> None:
+        """Give up what was drafted ahead (a proposal still running finishes on the drafting thread)."""
+        if self.ahead is not None:
+            self.ahead.discard()
+        self.ahead = None
+
+
+def num_delivered(committed: list[int], num_left: int, eos_token_ids: frozenset[int]) -> int:
+    """How many of the committed tokens to deliver: up to the budget and through the first EOS."""
+    for index, token_id in enumerate(committed[:num_left]):
+        if token_id in eos_token_ids:
+            return index + 1
+    return min(len(committed), num_left)
