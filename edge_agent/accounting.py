@@ -58,6 +58,20 @@ def record_verified_block(
     count_call(generation.stats, call, num_drafted, drafting)
     metrics.observe_call(call, num_drafted, drafting.exposed_s)
     generation.policy.observe(block_outcome(call, num_drafted, drafting))
+    record_advice(metrics, generation, call.verdict.advised_draft_length)
+
+
+def record_advice(metrics: EdgeMetrics, generation: Generation, advice: int) -> None:
+    """The verdict's advice: the cap of the generation's next blocks (``generation.draft_length``)."""
+    generation.verifier_advice = advice
+    generation.stats.advised_draft_length = advice
+    metrics.verifier_advice.observe(advice)
+
+
+def record_advice_cap(metrics: EdgeMetrics, generation: Generation) -> None:
+    """A block drafted shorter than the policy chose, because the verifier advised so."""
+    generation.stats.advice_capped_blocks += 1
+    metrics.advice_capped_blocks.inc()
 
 
 def record_delivered(metrics: EdgeMetrics, delivered: list[int]) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.accounting import (
+    record_advice_cap,
     record_delivered,
     record_drafted_ahead,
     record_overlap,
@@ -148,17 +149,21 @@ class SpeculativeEngine:
         """The block to verify next: what was drafted ahead for the committed context (a hit),
         completed by drafting now."""
         num_drafted = self._block_length(generation)
+        if num_drafted < self._block_length(generation, follow_advice=False):
+            record_advice_cap(self._metrics, generation)
         await self._settle_ahead(generation)
         block, drafting = await self._complete_block(generation, num_drafted)
         generation.is_draft_prefilled = generation.is_draft_prefilled or bool(block.token_ids)
         return block, drafting
 
-    def _block_length(self, generation: Generation) -> int:
-        """0 for the prompt-only first call; otherwise the policy's choice within every cap."""
+    def _block_length(self, generation: Generation, *, follow_advice: bool = True) -> int:
+        """0 for the prompt-only first call; otherwise the policy's choice within every cap (the
+        verifier's advice among them, unless ``follow_advice`` is off: what it would be without)."""
         if generation.sends_prompt_only:
             return 0
         room = self.model.room(len(generation.context))
-        return draft_length(generation.policy.next_length(), generation.num_left, room, generation.verifier_advice)
+        advice = generation.verifier_advice if follow_advice else None
+        return draft_length(generation.policy.next_length(), generation.num_left, room, advice)
 
     async def _settle_ahead(self, generation: Generation) -> None:
         """Take the token still being drafted ahead when the last verdict came, now that it is

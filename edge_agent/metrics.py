@@ -56,6 +56,17 @@ class EdgeMetrics:
             buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
             registry=r,
         )
+        self.verifier_advice = Histogram(
+            "spade_edge_verifier_advice",
+            "The draft length each verdict advised (the verifier's limit while it has idle time; shorter under load)",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64),
+            registry=r,
+        )
+        self.advice_capped_blocks = Counter(
+            "spade_edge_advice_capped_blocks",
+            "Blocks drafted shorter than the draft-length policy chose, to follow the verifier's advice",
+            registry=r,
+        )
         self.draft_seconds = Histogram(
             "spade_edge_draft_seconds",
             "Waiting for drafting per block (drafting hidden under a verify call excluded)",

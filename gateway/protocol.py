@@ -271,6 +271,11 @@ class SpadeStats(BaseModel):
     verify_ms: float = 0.0
     """Round trips of the verify calls, network and queueing included."""
     verifier_forward_ms: float = 0.0
+    advised_draft_length: int | None = None
+    """The longest block the verifier's last verdict advised (its limit while it has idle time,
+    shorter when its forwards follow each other); None for target-only decoding."""
+    advice_capped_blocks: int = 0
+    """Blocks drafted shorter than the draft-length policy chose, to follow the verifier's advice."""
 
 
 class Usage(BaseModel):

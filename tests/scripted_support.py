@@ -64,6 +64,8 @@ class ScriptedVerifier:
 
     latency_s: float = 0.2
     hang_on_call: int | None = None
+    advice: int = 64
+    """Every verdict's advised_draft_length (64: a verifier with idle time advises its limit)."""
     calls: list[VerifyCall] = field(default_factory=list)
     verdicts: list[tuple[list[int], list[int], int, int]] = field(default_factory=list)
     """(context, block, accepted, next token) of every answered call."""
@@ -97,7 +99,7 @@ class ScriptedVerifier:
             logprobs=[0.0] * (num_accepted + 1),
             context_length=len(committed) + 1,
             num_target_tokens=len(block.token_ids) + 1,
-            advised_draft_length=64,
+            advised_draft_length=self.advice,
             timings=VerifyTimings(queue_ms=0.0, forward_ms=1.0, total_ms=1.0),
         )
         self.calls.append(VerifyCall(verdict, self.latency_s, 0, 0, False))
