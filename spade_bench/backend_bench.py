@@ -211,11 +211,12 @@ async def transformers_rows(source: ModelSource, draft: LoadedModel | None, conf
 
 
 async def vllm_rows(source: ModelSource, draft: LoadedModel | None, config: BenchConfig, args) -> list[str]:
-    from verifier_service.backends.vllm_backend import EXACT_ROUTES, create_vllm_backend
+    from verifier_service.backends.vllm_backend import EXACT_ROUTES, VllmEngineOptions, create_vllm_backend
 
-    backend = await create_vllm_backend(
-        source, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib
+    options = VllmEngineOptions(
+        dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib
     )
+    backend = await create_vllm_backend(source, options)
     startup = backend.startup
     timings = f"start {startup.engine_s:.1f} s, warm-up {startup.warmup_s:.1f} s" if startup else "started"
     print(f"vLLM engine {timings}, RSS after start {process_tree_rss_gib():.2f} GiB", flush=True)

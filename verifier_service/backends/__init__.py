@@ -24,10 +24,9 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
         raise ValueError("--batch-invariant is a mode of --backend transformers")
     backend: VerifierBackend
     if settings.backend == "vllm":
-        from verifier_service.backends.vllm_backend import create_vllm_backend
+        from verifier_service.backends.vllm_backend import VllmEngineOptions, create_vllm_backend
 
-        backend = await create_vllm_backend(
-            source,
+        options = VllmEngineOptions(
             dtype=settings.dtype,
             device=settings.device,
             max_model_len=settings.max_context_length,
@@ -36,6 +35,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
             exact_route=settings.vllm_exact_route,
             served_model_name=settings.served_model_name,
         )
+        backend = await create_vllm_backend(source, options)
     else:
         from spade_models.loader import load_model
         from verifier_service.backends.transformers.backend import TransformersBackend

@@ -336,16 +336,24 @@ def model_directory(source: ModelSource, dtype: str) -> str:
     return str(loader.convert(source, loader.dtype_name(dtype)))
 
 
-def engine_arguments(
-    directory: str,
-    *,
-    dtype: str,
-    device: str,
-    max_model_len: int | None,
-    block_size: int,
-    kv_cache_gib: float | None,
-    engine_kwargs: dict[str, Any],
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class VllmEngineOptions:
+    """How the verifier starts vLLM's engine (the ``--vllm-*`` settings and the model's dtype)."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    block_size: int = 32
+    """KV block size: vLLM CPU attention needs a multiple of 32 (its default, 128, makes the prefix cache coarse)."""
+    kv_cache_gib: float | None = 1.0
+    """KV cache size (None: vLLM's own sizing)."""
+    exact_route: str = "sample_match"
+    served_model_name: str | None = None
+
+
+def engine_arguments(directory: str, options: VllmEngineOptions, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    dtype, device, max_model_len, block_size = options.dtype, options.device, options.max_model_len, options.block_size
+    kv_cache_gib = options.kv_cache_gib
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     arguments: dict[str, Any] = {
@@ -409,45 +417,25 @@ async def warm_up(backend: VllmBackend) -> None:
     backend.release_session("warm-up")
 
 
-async def create_vllm_backend(
-    source: ModelSource,
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    max_model_len: int | None = None,
-    block_size: int = 32,
-    kv_cache_gib: float | None = 1.0,
-    exact_route: str = "sample_match",
-    served_model_name: str | None = None,
-    **engine_kwargs: Any,
-) -> VllmBackend:
+async def create_vllm_backend(source: ModelSource, options: VllmEngineOptions | None = None, **engine_kwargs: Any) -> VllmBackend:
     """Start vLLM's async engine on ``source`` and wrap it in the verify contract.
 
-    ``block_size`` 32: vLLM CPU attention needs a multiple of 32 (its default, 128, makes the
-    prefix cache coarse). ``kv_cache_gib`` sizes the KV cache (None: vLLM's own sizing). Extra
-    keyword arguments go to ``AsyncEngineArgs`` and override ours. Registry names and GGUF
+    Extra keyword arguments go to ``AsyncEngineArgs`` and override ours. Registry names and GGUF
     files are served from the converted cache (see ``model_directory``)."""
-    if exact_route not in EXACT_ROUTES:
-        raise ValueError(f"exact_route must be one of {EXACT_ROUTES}, got {exact_route!r}")
+    options = options or VllmEngineOptions()
+    if options.exact_route not in EXACT_ROUTES:
+        raise ValueError(f"exact_route must be one of {EXACT_ROUTES}, got {options.exact_route!r}")
     AsyncEngineArgs, AsyncLLM = _import_vllm()
-    _check_device(device)
+    _check_device(options.device)
     started = time.perf_counter()
-    directory = await asyncio.to_thread(model_directory, source, dtype)
-    arguments = engine_arguments(
-        directory,
-        dtype=dtype,
-        device=device,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        kv_cache_gib=kv_cache_gib,
-        engine_kwargs=engine_kwargs,
-    )
+    directory = await asyncio.to_thread(model_directory, source, options.dtype)
+    arguments = engine_arguments(directory, options, engine_kwargs)
     engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**arguments))
     engine_s = time.perf_counter() - started
     try:
         tokenizer = await asyncio.to_thread(_load_tokenizer, directory)
-        model = describe_model(served_model_name or source.model_id, engine, tokenizer)
-        backend = VllmBackend(engine, model, tokenizer, exact_route=exact_route)
+        model = describe_model(options.served_model_name or source.model_id, engine, tokenizer)
+        backend = VllmBackend(engine, model, tokenizer, exact_route=options.exact_route)
         await warm_up(backend)
     except BaseException:
         engine.shutdown()
