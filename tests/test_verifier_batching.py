@@ -439,3 +439,26 @@ def test_forwards_and_their_sessions_are_on_metrics_and_in_timings(tiny_pair, vo
     assert "spade_verifier_model_forward_rows_total 11.0" in metrics  # 8 context + 3 drafted
     assert "spade_verifier_queue_seconds_count 1.0" in metrics
     assert committed_after(context, [], answer)[:8] == context
+
+
+def test_a_failing_forward_reaches_every_caller_of_it_and_the_next_forward_runs(target_model, monkeypatch):
+    async def run():
+        backend = _backend(target_model, max_batch_sessions=4, batch_wait_s=0.2)
+        runner = backend._runner
+        original = runner.run
+        monkeypatch.setattr(runner, "run", lambda shares: (_ for _ in ()).throw(RuntimeError("the forward failed")))
+        try:
+            failed = await asyncio.gather(
+                backend.verify_block(BlockToVerify("a", [5, 6], [7], None, GREEDY)),
+                backend.verify_block(BlockToVerify("b", [8, 9], [], None, GREEDY)),
+                return_exceptions=True,
+            )
+            monkeypatch.setattr(runner, "run", original)
+            verdict = await backend.verify_block(BlockToVerify("a", [5, 6], [7], None, GREEDY))
+            return failed, verdict
+        finally:
+            await backend.aclose()
+
+    failed, verdict = asyncio.run(run())
+    assert [str(error) for error in failed] == ["the forward failed"] * 2
+    assert verdict.num_target_tokens == 3

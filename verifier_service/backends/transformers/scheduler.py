@@ -207,13 +207,13 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 results, record = await loop.run_in_executor(self._executor, self._runner.run, shares)
-            except Exception as error:  # every caller of the forward gets the error
+                self._account(record, started, time.perf_counter())
+                self._answer([call for call, _ in planned], results, record, started)
+            except Exception as error:  # every caller of the forward still waiting gets the error
                 for call, _ in planned:
-                    self._queue.remove(call)
+                    if call in self._queue:
+                        self._queue.remove(call)
                     settle(call.future, error=error)
-                continue
-            self._account(record, started, time.perf_counter())
-            self._answer([call for call, _ in planned], results, record, started)
 
     def _answer(self, calls: list[PendingCall], results: list[ShareResult], record: ForwardRecord, started: float) -> None:
         """Settle the calls the forward answered; chunked ones stay queued, in place."""
