@@ -159,6 +159,28 @@ def test_every_boolean_setting_has_a_no_flag():
     assert (settings.fast_kernels, settings.metrics_require_key) == (False, False)
     settings = settings_from_arguments(parser, parser.parse_args(["--batch-invariant", "--log-level", "DEBUG"]), VerifierSettings)
     assert (settings.batch_invariant, settings.log_level) == (True, "debug")
+    assert settings.batch_invariance() == "required"  # asked for: an error where it cannot be met
+
+
+@pytest.mark.parametrize(
+    "arguments,invariance",
+    [
+        ([], "preferred"),  # the default: where the CPU kernel runs
+        (["--no-batch-invariant"], "off"),
+        (["--no-fast-kernels"], "off"),  # stock transformers, as asked
+        (["--backend", "vllm"], "off"),  # no error: the default only applies where it can
+        (["--batch-invariant", "--backend", "vllm"], "required"),  # create_backend refuses it
+    ],
+)
+def test_the_verifier_is_batch_invariant_by_default_where_it_can_be(arguments, invariance):
+    import argparse
+
+    from gateway.cli import add_settings_arguments, settings_from_arguments
+    from verifier_service.settings import VerifierSettings
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, VerifierSettings)
+    assert settings_from_arguments(parser, parser.parse_args(arguments), VerifierSettings).batch_invariance() == invariance
 
 
 def test_bench_takes_the_services_flag_spelling_and_keeps_the_old_one():

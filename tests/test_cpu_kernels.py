@@ -38,6 +38,7 @@ from greedy_support import TINY_PAIR_CASES, generate
 from servers import serve
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
+from verifier_service.backends import cpu_kernels
 from verifier_service.backends.cpu_kernels import (
     COMPILE_TIMEOUT_S,
     ISA_FLAGS,
@@ -308,8 +309,22 @@ def test_the_kernel_exports_exactly_what_the_python_side_calls(library):
 def test_kernels_are_not_applied_off_float32(tiny_pair):
     model = load_model(ModelSource(str(tiny_pair.target_dir)), dtype="bfloat16").model
     assert prepare_cpu_kernels(model, fast_kernels=True, batch_invariant=False) is None
+    assert prepare_cpu_kernels(model, fast_kernels=True, batch_invariant="preferred") is None  # the default: no error
     with pytest.raises(ValueError, match="batch-invariant"):
         prepare_cpu_kernels(model, fast_kernels=True, batch_invariant=True)
+
+
+def test_the_default_batch_invariance_needs_the_compiled_kernel(tiny_pair, library, tmp_path, monkeypatch):
+    # Preferred (the default): batch-invariant where the kernel runs; without a compiler the
+    # fast mode, not the row-by-row torch linears (slow). Required: batch-invariant either way.
+    def fresh_model():
+        return load_model(ModelSource(str(tiny_pair.target_dir))).model
+
+    monkeypatch.setattr(cpu_kernels, "load_kernel_library", lambda cache_dir: library)
+    assert prepare_cpu_kernels(fresh_model(), True, "preferred", tmp_path).mode == "batch_invariant"
+    monkeypatch.setattr(cpu_kernels, "load_kernel_library", lambda cache_dir: None)
+    assert prepare_cpu_kernels(fresh_model(), True, "preferred", tmp_path).mode == "fast"
+    assert prepare_cpu_kernels(fresh_model(), True, "required", tmp_path).linear_path == "torch-rowwise"
 
 
 def test_without_a_compiler_there_is_no_kernel_and_the_log_says_why(tmp_path, monkeypatch, caplog):

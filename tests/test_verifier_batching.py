@@ -294,6 +294,15 @@ def test_blocks_go_first_and_a_long_prompt_gets_the_rest_of_the_row_budget_as_a_
     assert _planned(queue, max_forward_rows=MIN_CHUNK_ROWS + 9, max_block_rows=9) == [("a", 9), ("p", MIN_CHUNK_ROWS)]
 
 
+def test_after_a_big_chunk_the_blocks_get_the_next_forward_nearly_to_themselves():
+    queue = [_call("p", 300), _call("a", 9), _call("b", 9)]
+    assert _planned(queue, max_forward_rows=64, max_block_rows=9) == [("a", 9), ("b", 9), ("p", 46)]
+    after = plan_forward(queue, _need, SchedulerLimits(max_forward_rows=64, max_block_rows=9), after_chunk=True)
+    assert [(call.block.session_id, rows) for call, rows in after] == [("a", 9), ("b", 9), ("p", MIN_CHUNK_ROWS)]
+    alone = plan_forward(queue[:1], _need, SchedulerLimits(max_forward_rows=64, max_block_rows=9), after_chunk=True)
+    assert [(call.block.session_id, rows) for call, rows in alone] == [("p", 64)]  # no block waits: the whole budget
+
+
 def test_the_first_block_runs_even_past_the_row_budget():
     assert _planned([_call("a", 30), _call("b", 5)], max_forward_rows=8, max_block_rows=40) == [("a", 30)]
 

@@ -20,7 +20,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
     from spade_models.loader import ModelSource
 
     source = ModelSource(settings.model, settings.gguf_file)
-    if settings.batch_invariant and settings.backend != "transformers":
+    if settings.batch_invariance() == "required" and settings.backend != "transformers":
         raise ValueError("--batch-invariant is a mode of --backend transformers")
     backend: VerifierBackend
     if settings.backend == "vllm":
@@ -48,7 +48,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
             settings.max_context_length,
             served_model_name=settings.served_model_name,
             fast_kernels=settings.fast_kernels,
-            batch_invariant=settings.batch_invariant,
+            batch_invariant=settings.batch_invariance(),
         )
         transformers_backend.configure(settings.scheduler_limits())
         backend = transformers_backend

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 import torch
 from torch import nn
@@ -367,17 +367,25 @@ def rowwise_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return output.view(*input.shape[:-1], module.weight.shape[0])
 
 
+BatchInvariance = Literal["required", "preferred", "off"]
+"""How the batch-invariant mode is asked for: ``required`` (asked for: an error where it cannot
+be met), ``preferred`` (the default: where the compiled kernel makes it cheap, i.e. CPU, float32
+and a C compiler; the fast mode elsewhere), ``off``."""
+
+
 def prepare_cpu_kernels(
-    model: PreTrainedModel, fast_kernels: bool, batch_invariant: bool, cache_dir: str | Path | None = None
+    model: PreTrainedModel, fast_kernels: bool, batch_invariant: bool | BatchInvariance, cache_dir: str | Path | None = None
 ) -> CpuKernelPatch | None:
     """What the transformers backend calls on its freshly loaded model: the kernels where they
-    apply (CPU, float32), stock transformers elsewhere. ``batch_invariant`` cannot be met
-    elsewhere, so it raises instead."""
-    if not (fast_kernels or batch_invariant):
+    apply (CPU, float32), stock transformers elsewhere. A ``required`` batch invariance cannot be
+    met elsewhere, so it raises instead; a ``preferred`` one needs the compiled kernel too (the
+    batch-invariant mode without it runs each linear row by row: slow), else the fast mode runs."""
+    invariance = as_invariance(batch_invariant)
+    if not fast_kernels and invariance != "required":
         return None
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype != torch.float32:
-        if batch_invariant:
+        if invariance == "required":
             raise ValueError("--batch-invariant needs --device cpu and --dtype float32")
         logger.info("CPU kernels not applied: the model is %s on %s", parameter.dtype, parameter.device)
         return None
@@ -385,6 +393,15 @@ def prepare_cpu_kernels(
 
     library = load_kernel_library(resolve_cache_dir(cache_dir))
     started = time.perf_counter()
-    patch = apply_cpu_kernels(model, library, batch_invariant)
+    patch = apply_cpu_kernels(model, library, invariance == "required" or (invariance == "preferred" and library is not None))
     logger.info("CPU kernels: %s (applied in %.1f s)", patch.describe(), time.perf_counter() - started)
     return patch
+
+
+def as_invariance(batch_invariant: bool | BatchInvariance) -> BatchInvariance:
+    """A plain bool is asked for explicitly: True ``required``, False ``off``."""
+    if batch_invariant is True:
+        return "required"
+    if batch_invariant is False:
+        return "off"
+    return batch_invariant

@@ -23,7 +23,7 @@ import torch
 from gateway.model import ModelDescription
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, VerifierBackend
-from verifier_service.backends.cpu_kernels import prepare_cpu_kernels
+from verifier_service.backends.cpu_kernels import BatchInvariance, prepare_cpu_kernels
 from verifier_service.backends.transformers.runner import ModelRunner
 from verifier_service.backends.transformers.scheduler import Scheduler, SchedulerLimits
 from verifier_service.kv_budget import kv_bytes_per_token
@@ -45,7 +45,7 @@ class TransformersBackend(VerifierBackend):
         *,
         served_model_name: str | None = None,
         fast_kernels: bool = False,
-        batch_invariant: bool = False,
+        batch_invariant: bool | BatchInvariance = False,
     ) -> None:
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
         model is patched in place, and the target-only route runs the same patched model)."""
@@ -61,7 +61,8 @@ class TransformersBackend(VerifierBackend):
         )
         self._config = loaded.model.config
         self._dtype = loaded.model.dtype
-        self._runner = ModelRunner(loaded.model, torch.device(loaded.device), batch_invariant=batch_invariant)
+        is_invariant = self.cpu_kernels is not None and self.cpu_kernels.mode == "batch_invariant"
+        self._runner = ModelRunner(loaded.model, torch.device(loaded.device), batch_invariant=is_invariant)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
         self._scheduler = Scheduler(self._runner, self._executor, SchedulerLimits(max_batch_sessions=1))
 

@@ -13,8 +13,10 @@ Glossary:
 Each forward takes, in arrival order, every small call that fits (a session never has two calls
 in one forward), then gives what is left of the row budget to the oldest big calls as chunks;
 while a big call waits, ``MIN_CHUNK_ROWS`` of the budget are kept for it, so a long prompt always
-progresses and no block ever waits behind a whole prompt: at most behind one forward of
-``max_forward_rows`` rows. A call whose caller went away is dropped before it costs a row.
+progresses and no block ever waits behind a whole prompt. After a forward that fed a big chunk,
+the next one gives prompts only ``MIN_CHUNK_ROWS`` when blocks wait: a block waits at most one
+chunk's forward (``max_forward_rows`` rows), and the prompt gets a big chunk every other forward.
+A call whose caller went away is dropped before it costs a row.
 
 Holding (forwards that serve many sessions): the scheduler learns each session's gap between
 its answer and its next call. When a forward is about to start and a session not yet queued is
@@ -84,9 +86,16 @@ class PendingCall:
     """Rows its earlier prefill chunks fed."""
 
 
-def plan_forward(queue: list[PendingCall], need_of: Callable[[PendingCall], int], limits: SchedulerLimits) -> list[tuple[PendingCall, int]]:
+def plan_forward(
+    queue: list[PendingCall], need_of: Callable[[PendingCall], int], limits: SchedulerLimits, after_chunk: bool = False
+) -> list[tuple[PendingCall, int]]:
     """The next forward's shares, (call, row allowance), in queue order of their selection:
-    small calls first (arrival order, whole, while they fit), then chunks for the big ones."""
+    small calls first (arrival order, whole, while they fit), then chunks for the big ones.
+
+    ``after_chunk``: the forward before fed a big chunk of a prompt. Then, if blocks wait, the
+    prompt gets only ``MIN_CHUNK_ROWS`` now: a block that arrived during that chunk's forward is
+    answered by the next one, which is short, so it waits one chunk's forward at most (forwards
+    alternate between a big chunk and the blocks, and the prompt still gets every other one)."""
     needs = [need_of(call) for call in queue]
     waiting_big = any(need > limits.max_block_rows for need in needs)
     budget = limits.max_forward_rows - (MIN_CHUNK_ROWS if waiting_big else 0)
@@ -101,6 +110,8 @@ def plan_forward(queue: list[PendingCall], need_of: Callable[[PendingCall], int]
             sessions.add(call.block.session_id)
             budget -= need
     budget += MIN_CHUNK_ROWS if waiting_big else 0
+    if after_chunk and shares:
+        budget = min(budget, MIN_CHUNK_ROWS)
     for call, need in zip(queue, needs, strict=True):
         if budget <= 0 or len(shares) == limits.max_batch_sessions:
             break
@@ -109,6 +120,11 @@ def plan_forward(queue: list[PendingCall], need_of: Callable[[PendingCall], int]
             sessions.add(call.block.session_id)
             budget -= min(need, budget)
     return shares
+
+
+def feeds_big_chunk(planned: list[tuple[PendingCall, int]], need_of: Callable[[PendingCall], int], limits: SchedulerLimits) -> bool:
+    """Whether a forward gives a big call more than ``MIN_CHUNK_ROWS`` rows (see ``plan_forward``)."""
+    return any(allowance > MIN_CHUNK_ROWS and need_of(call) > limits.max_block_rows for call, allowance in planned)
 
 
 @dataclass
@@ -150,6 +166,8 @@ class Scheduler:
         self._paces: dict[str, SessionPace] = {}
         self._cost = ForwardCost()
         self._busy = BusyFraction()
+        self._after_chunk = False
+        """The last forward fed a big chunk of a prompt (``plan_forward``)."""
 
     async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         future = asyncio.get_running_loop().create_future()
@@ -200,9 +218,10 @@ class Scheduler:
         while self._queue:
             await self._gather()
             self._queue[:] = [call for call in self._queue if not call.future.done()]  # callers that left cost nothing
-            planned = plan_forward(self._queue, self._need, self.limits)
+            planned = plan_forward(self._queue, self._need, self.limits, self._after_chunk)
             if not planned:
                 continue
+            self._after_chunk = feeds_big_chunk(planned, self._need, self.limits)
             shares = [Share(call.block, allowance, call.keep_cache) for call, allowance in planned]
             started = time.perf_counter()
             try:
