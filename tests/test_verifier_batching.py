@@ -371,6 +371,32 @@ def test_a_session_released_mid_prefill_frees_its_cache(target_model, vocab_size
     assert asyncio.run(run()) == 1  # "next" only
 
 
+def test_a_session_released_mid_prefill_is_still_answered_and_keeps_no_cache(target_model, vocab_size):
+    # Released while its prompt is prefilled in chunks: the chunks go on from the partial cache
+    # (not from scratch, forever), the call is answered, and no cache stays behind.
+    async def run():
+        backend = _backend(target_model, max_forward_rows=16, max_block_rows=4)
+        records: list[ForwardRecord] = []
+        backend.observe_forwards(records.append)
+        try:
+            prompt = asyncio.create_task(
+                backend.verify_block(BlockToVerify("long", random_tokens(random.Random(6), 120, vocab_size), [], None, GREEDY))
+            )
+            while not records:
+                await asyncio.sleep(0.005)
+            backend.release_session("long")
+            verdict = await prompt
+            await asyncio.sleep(0.05)  # the release runs on the worker thread
+            return verdict, len(records), backend.num_cached_sessions
+        finally:
+            await backend.aclose()
+
+    verdict, num_forwards, num_cached = asyncio.run(run())
+    assert verdict.num_target_tokens == 120
+    assert num_forwards == 8  # 120 rows in chunks of 16: 7 chunks + the answering forward
+    assert num_cached == 0
+
+
 # --- holding a forward for sessions due soon -----------------------------------------------------------
 
 

@@ -98,9 +98,9 @@ class TransformersBackend(VerifierBackend):
 
     def release_session(self, session_id: str) -> None:
         """Free the session's cache after any forward already submitted for it (same worker
-        thread); a call of the session still waiting keeps no cache when it runs."""
-        self._scheduler.forget_session(session_id)
-        self._executor.submit(self._runner.release, session_id)
+        thread); with a call of the session still waiting, once that call is done with."""
+        if not self._scheduler.forget_session(session_id):
+            self._executor.submit(self._runner.release, session_id)
 
     async def aclose(self) -> None:
         await self._scheduler.aclose()

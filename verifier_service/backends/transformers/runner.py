@@ -131,7 +131,9 @@ class ModelRunner:
         block = share.block
         if rows.num_scored == 0:
             entry.token_ids = block.context_token_ids[: len(entry.token_ids) + len(rows.token_ids)]
-            self._keep(entry, share)
+            # Kept even for a released session: its next chunk continues from it (the answering
+            # forward frees it; the scheduler frees it if the caller leaves first).
+            self._caches[block.session_id] = entry
             return ShareResult(len(rows.token_ids))
         acceptance = accept(block, logits, self.device)
         entry.token_ids = block.context_token_ids + block.draft_token_ids

@@ -182,12 +182,15 @@ class Scheduler:
         pace = self._paces.get(session_id)
         return None if pace is None else pace.advice
 
-    def forget_session(self, session_id: str) -> None:
-        """The session was released: its waiting calls keep no cache; it is no longer awaited."""
+    def forget_session(self, session_id: str) -> bool:
+        """The session was released: it is no longer awaited, and its waiting call (if any)
+        keeps no cache once answered or abandoned (the scheduler frees it then: a prompt being
+        prefilled in chunks continues from its partial cache meanwhile). True if a call waits."""
         self._paces.pop(session_id, None)
-        for call in self._queue:
-            if call.block.session_id == session_id:
-                call.keep_cache = False
+        waiting = [call for call in self._queue if call.block.session_id == session_id]
+        for call in waiting:
+            call.keep_cache = False
+        return bool(waiting)
 
     def _ensure_worker(self) -> None:
         """The task serving the queue, on the running loop (a backend may outlive an event loop:
@@ -217,7 +220,7 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while self._queue:
             await self._gather()
-            self._queue[:] = [call for call in self._queue if not call.future.done()]  # callers that left cost nothing
+            self._drop_abandoned()
             planned = plan_forward(self._queue, self._need, self.limits, self._after_chunk)
             if not planned:
                 continue
@@ -232,7 +235,19 @@ class Scheduler:
                 for call, _ in planned:
                     if call in self._queue:
                         self._queue.remove(call)
+                        self._release_if_forgotten(call)
                     settle(call.future, error=error)
+
+    def _drop_abandoned(self) -> None:
+        """Calls whose caller left cost nothing more; a released session's partial prefill goes too."""
+        for call in [call for call in self._queue if call.future.done()]:
+            self._queue.remove(call)
+            self._release_if_forgotten(call)
+
+    def _release_if_forgotten(self, call: PendingCall) -> None:
+        """A call of a released session is done with: free what its forwards cached."""
+        if not call.keep_cache:
+            self._executor.submit(self._runner.release, call.block.session_id)
 
     def _answer(self, calls: list[PendingCall], results: list[ShareResult], record: ForwardRecord, started: float) -> None:
         """Settle the calls the forward answered; chunked ones stay queued, in place."""
@@ -242,6 +257,7 @@ class Scheduler:
             if result.acceptance is None:
                 continue
             self._queue.remove(call)
+            self._release_if_forgotten(call)
             answered.append(call.block.session_id)
             pace = self._pace(call.block.session_id) if call.keep_cache else SessionPace()
             pace.acceptance.observe(call.block.num_drafted, result.acceptance.num_accepted)
