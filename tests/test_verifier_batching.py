@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from spade_core.params import SamplingConfig
-from spade_models.kv_cache import TokenCache, cache_argument_name
+from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, ForwardRecord
 from verifier_service.backends.cpu_kernels import apply_cpu_kernels, cpu_isa, load_kernel_library
 from verifier_service.backends.growing_cache import GrowingLayer, growing_cache
 from verifier_service.backends.transformers.backend import TransformersBackend
 from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
-from verifier_service.backends.transformers.runner import ModelRunner, Share
+from verifier_service.backends.transformers.runner import Share
 from verifier_service.backends.transformers.scheduler import MIN_CHUNK_ROWS, PendingCall, SchedulerLimits, plan_forward
 from verifier_support import (
     committed_after,
@@ -125,14 +125,19 @@ def test_batch_invariant_rows_are_bitwise_equal_whatever_shares_the_forward(inva
     rng = random.Random(4)
     vocab_size = invariant_model.get_output_embeddings().weight.shape[0]
     a, b, c = (random_tokens(rng, n, vocab_size) for n in (17, 25, 6))
-    runner = ModelRunner(invariant_model, torch.device("cpu"), batch_invariant=True)
 
     def rows_of_a(shares: list[tuple[str, list[int], list[int]]]) -> torch.Tensor:
-        entries = [TokenCache(_filled_cache(invariant_model, context[:12]), context[:12]) for _, context, _ in shares]
-        from verifier_service.backends.transformers.runner import FedRows
-
-        fed = [FedRows(context[12:] + block, 12, len(context) - 12 + len(block)) for _, context, block in shares]
-        return runner._forward(entries, fed)[0]
+        """A's scored rows when the shares' rows (after 12 cached tokens each) share one forward."""
+        caches = [_filled_cache(invariant_model, context[:12]) for _, context, _ in shares]
+        new_ids = [context[12:] + block for _, context, block in shares]
+        bounds = [0]
+        for ids in new_ids:
+            bounds.append(bounds[-1] + len(ids))
+        segments = list(zip(bounds, bounds[1:], strict=False))
+        logits = ragged_forward(
+            invariant_model, RaggedCache(caches, segments, batch_invariant=True), new_ids, [12] * len(shares), list(range(bounds[-1]))
+        )
+        return logits[: bounds[1]]
 
     alone = rows_of_a([("a", a, [])])
     shared = rows_of_a([("a", a, []), ("b", b, [3, 4, 5, 6]), ("c", c + [1] * 8, [])])

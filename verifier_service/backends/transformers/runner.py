@@ -4,12 +4,13 @@ one forward over whatever share of work the scheduler hands it.
 The scheduler decides what runs (which calls, how many rows each may feed); the runner decides
 nothing, it executes: per call, the rows its session's cache lacks, cut to the call's row
 allowance. A call whose uncached context exceeds the allowance is prefilled a chunk at a time
-(``Share.chunked``): its chunk's rows share the forward with others' blocks and score nothing;
+(``rows_to_feed``): its chunk's rows share the forward with others' blocks and score nothing;
 the call is answered by the forward that feeds its last context token and its drafted block
 (the block's d + 1 scored rows). Caches stay per session and grow in place (``ragged``).
 
-Everything here runs on the backend's one worker thread: no lock, no other thread touches a
-cache. Acceptance and logprobs (``conclude``) follow each answered call's forward.
+Every change to a cache runs on the backend's one worker thread (no lock); the scheduler only
+reads them (``cached_length``) between forwards. Acceptance and logprobs (``_conclude``) follow
+each answered call's forward.
 """
 
 from __future__ import annotations
