@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from spade_bench.forward_bench import tiny_source
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
 from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
@@ -196,13 +197,6 @@ def main(argv: list[str] | None = None) -> None:
         output.mkdir(parents=True, exist_ok=True)
         (output / "rows_bench.md").write_text(report + "\n")
         plot(timings, modes, rows, sessions, output / "rows_bench.png")
-
-
-def tiny_source(directory: Path) -> ModelSource:
-    from spade_models.tiny import build_tiny_pair
-
-    target, _ = build_tiny_pair(directory)
-    return ModelSource(str(target))
 
 
 if __name__ == "__main__":
