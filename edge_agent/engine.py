@@ -148,22 +148,22 @@ class SpeculativeEngine:
     async def _draft(self, generation: Generation) -> tuple[DraftBlock, Drafting]:
         """The block to verify next: what was drafted ahead for the committed context (a hit),
         completed by drafting now."""
-        num_drafted = self._block_length(generation)
-        if num_drafted < self._block_length(generation, follow_advice=False):
+        num_drafted, policy_length = self._block_length(generation)
+        if num_drafted < policy_length:
             record_advice_cap(self._metrics, generation)
         await self._settle_ahead(generation)
         block, drafting = await self._complete_block(generation, num_drafted)
         generation.is_draft_prefilled = generation.is_draft_prefilled or bool(block.token_ids)
         return block, drafting
 
-    def _block_length(self, generation: Generation, *, follow_advice: bool = True) -> int:
-        """0 for the prompt-only first call; otherwise the policy's choice within every cap (the
-        verifier's advice among them, unless ``follow_advice`` is off: what it would be without)."""
+    def _block_length(self, generation: Generation) -> tuple[int, int]:
+        """(the next block's length, what it would be without the verifier's advice): 0 for the
+        prompt-only first call; otherwise the policy's choice within every cap."""
         if generation.sends_prompt_only:
-            return 0
+            return 0, 0
         room = self.model.room(len(generation.context))
-        advice = generation.verifier_advice if follow_advice else None
-        return draft_length(generation.policy.next_length(), generation.num_left, room, advice)
+        policy_length = draft_length(generation.policy.next_length(), generation.num_left, room)
+        return draft_length(policy_length, generation.num_left, room, generation.verifier_advice), policy_length
 
     async def _settle_ahead(self, generation: Generation) -> None:
         """Take the token still being drafted ahead when the last verdict came, now that it is

@@ -14,7 +14,6 @@ from verifier_service.backends.transformers.advice import (
     BusyFraction,
     ForwardCost,
     advised_lengths,
-    expected_tokens,
 )
 from verifier_support import (
     MAX_DRAFT,
@@ -29,6 +28,11 @@ from verifier_support import (
 )
 
 # --- the arithmetic ------------------------------------------------------------------------------
+
+
+def expected_tokens(alpha: float, num_drafted: int) -> float:
+    """E(d) of advice.py's glossary: tokens a block of d commits on average."""
+    return sum(alpha**k for k in range(num_drafted + 1))
 
 
 def test_expected_tokens_of_a_block():

@@ -108,11 +108,6 @@ class BusyFraction:
         return 0.0 if self.elapsed <= 0 else self.busy / self.elapsed
 
 
-def expected_tokens(alpha: float, num_drafted: int) -> float:
-    """E(d): tokens a block of d commits on average (accepted drafts + the next token)."""
-    return sum(alpha**k for k in range(num_drafted + 1))
-
-
 def advised_lengths(alphas: dict[K, float], cost: tuple[float, float], other_rows: int, max_length: int) -> dict[K, int]:
     """Per session, the block length that maximises all sessions' committed tokens per second
     under the forward cost ``cost`` = (fixed_s, per_row_s), with ``other_rows`` rows in the
