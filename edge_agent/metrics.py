@@ -29,6 +29,14 @@ class EdgeMetrics:
         )
         self.verify_calls = Counter("spade_edge_verify_calls", "Verify calls made", registry=r)
         self.resyncs = Counter("spade_edge_resyncs", "Verify calls repeated with the full context after a 409", registry=r)
+        self.rejected_answers = Counter(
+            "spade_edge_rejected_answers",
+            (
+                "Verify answers rejected (garbled, invalid, failing the verdict digest, a 5xx) and asked for again, "
+                "in calls that then got a valid answer (calls that never did count in spade_edge_verify_failures)"
+            ),
+            registry=r,
+        )
         self.verify_failures = Counter("spade_edge_verify_failures", "Generations ended by an unreachable or failing verifier", registry=r)
         self.fallback_tokens = Counter(
             "spade_edge_fallback_tokens",
@@ -90,6 +98,7 @@ class EdgeMetrics:
         """One verified block: its tokens, bytes and times."""
         self.verify_calls.inc()
         self.resyncs.inc(int(call.resynced))
+        self.rejected_answers.inc(call.rejected_answers)
         self.drafted_tokens.inc(num_drafted)
         self.accepted_tokens.inc(call.verdict.num_accepted)
         self.bytes_sent.inc(call.bytes_sent)

@@ -23,7 +23,7 @@ from typing import Literal
 import httpx
 
 from edge_agent.drafter import DraftBlock
-from gateway.errors import BadGatewayError, GatewayError, ServiceUnavailableError
+from gateway.errors import BadGatewayError, GatewayError, RequestTooLargeError, ServiceUnavailableError
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
@@ -116,6 +116,8 @@ class VerifyCall:
     bytes_received: int
     resynced: bool
     """The verifier had lost the session: the call was repeated with the whole context."""
+    rejected_answers: int = 0
+    """Answers to this call the edge rejected (garbled, invalid, failing the digest, a 5xx) and asked again."""
 
 
 class VerifierClient:
@@ -261,7 +263,9 @@ class VerifierSession:
             verdict, committed_digest = await self._resynced_verdict(request, context, traffic)
         self.verifier_length = verdict.context_length
         self.checked_digest = (verdict.context_length, committed_digest)
-        return VerifyCall(verdict, time.perf_counter() - started, traffic.bytes_sent, traffic.bytes_received, resynced)
+        return VerifyCall(
+            verdict, time.perf_counter() - started, traffic.bytes_sent, traffic.bytes_received, resynced, traffic.num_rejected
+        )
 
     async def _resynced_verdict(self, request: VerifyRequest, context: list[int], traffic: Traffic) -> tuple[VerifyResponse, str]:
         """The resent call's verdict; when none comes, a verifier replaced by one of another wire
@@ -293,6 +297,7 @@ class VerifierSession:
                 return checked_verdict(response, request, fingerprint, context)
             except UntrustedAnswerError as error:
                 logger.debug("session %s: verify answer rejected (%s)", self.session_id, error)
+                traffic.num_rejected += 1
                 failure = error
             if attempt < self.client.settings.retries:
                 await asyncio.sleep(self.client.settings.backoff_s * 2**attempt)
@@ -326,6 +331,7 @@ class Traffic:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    num_rejected: int = 0
 
     def add(self, sent: int, received: int) -> None:
         self.bytes_sent += sent
@@ -335,8 +341,8 @@ class Traffic:
 def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprint: str, context: list[int]) -> tuple[VerifyResponse, str]:
     """The verdict in ``response`` if it passes every check, with the context_digest of the
     committed context after it (the next call's prefix_digest); raises UntrustedAnswerError for an
-    answer to treat as lost, SessionLostError for a 409 resync, VerifierProtocolError for a
-    refusal of the call itself (a 4xx: a bug on our side).
+    answer to treat as lost, SessionLostError for a 409 resync, ``refusal_error``'s for a
+    refusal of the call itself (another 4xx).
 
     ``context``: the edge's own committed context the call continues. The digest binds the
     verdict to ``fingerprint`` (this request) and to context + accepted + next: a rewritten
@@ -346,7 +352,7 @@ def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprin
     if response.status_code >= 500:
         raise UntrustedAnswerError(f"HTTP {response.status_code}")
     if response.status_code != 200:
-        raise VerifierProtocolError(f"the verifier refused a verify call: HTTP {response.status_code} {response.text[:500]}")
+        raise refusal_error(response)
     try:
         verdict = VerifyResponse.model_validate_json(response.content)
     except ValueError as error:  # pydantic's ValidationError: not JSON, or not a verdict
@@ -360,6 +366,21 @@ def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprin
     if request.num_top_logprobs is not None and not has_logprobs(verdict):
         raise VerifierProtocolError("the verifier answered a call asking for logprobs without one per emitted token")
     return verdict, committed_digest
+
+
+def refusal_error(response: httpx.Response) -> GatewayError:
+    """What the caller is told when the verifier refuses a verify call (a 4xx other than a
+    resync): its key refused (rotated on the verifier while the edge runs) is the operator's to
+    fix, a 503; a body over the verifier's size limit is the prompt's, a 413 with the verifier's
+    words; anything else means the edge built a call the verifier cannot take, a bug of ours (500)."""
+    detail = f"HTTP {response.status_code} {response.text[:500]}"
+    if response.status_code in (401, 403):
+        return ServiceUnavailableError(
+            f"the verifier refused this edge's API key ({detail}); check --verifier-api-key", code="verifier_auth_failed"
+        )
+    if response.status_code == 413:
+        return RequestTooLargeError(f"the verifier refuses a call this large ({detail}): shorten the prompt", code="request_too_large")
+    return VerifierProtocolError(f"the verifier refused a verify call: {detail}")
 
 
 def committed_after(context: list[int], request: VerifyRequest, verdict: VerifyResponse) -> list[int]:

@@ -82,6 +82,8 @@ class InProcessStack:
     verifier: object
     """The verifier's FastAPI app (its service at ``verifier.state.service``)."""
     transport: RecordingTransport
+    metrics: EdgeMetrics
+    """The engine's metrics (what the edge's /metrics would show)."""
 
 
 @contextlib.asynccontextmanager
@@ -99,9 +101,10 @@ async def in_process_engine(
         settings = EdgeSettings(
             draft_model=str(pair.draft_dir), verifier_url="http://verifier", draft_length=draft_length, **(edge_settings or {})
         )
-        engine = await build_engine(settings, EdgeMetrics(), transport=transport)
+        metrics = EdgeMetrics()
+        engine = await build_engine(settings, metrics, transport=transport)
         try:
-            yield InProcessStack(engine, verifier, transport)
+            yield InProcessStack(engine, verifier, transport, metrics)
         finally:
             await engine.aclose()
 

@@ -69,7 +69,7 @@ def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
         advised_draft_length=64,
         timings=VerifyTimings(queue_ms=1.0, forward_ms=30.0, total_ms=40.0),
     )
-    call = VerifyCall(verdict, round_trip_s=0.5, bytes_sent=100, bytes_received=200, resynced=True)
+    call = VerifyCall(verdict, round_trip_s=0.5, bytes_sent=100, bytes_received=200, resynced=True, rejected_answers=2)
     drafting = Drafting(exposed_s=0.25, seconds_per_token=0.125)
     stats = SpadeStats()
     count_call(stats, call, 3, drafting)
@@ -80,11 +80,19 @@ def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
     metrics.observe_call(call, 3, drafting.exposed_s)
     samples = {
         name: metrics.registry.get_sample_value(f"spade_edge_{name}")
-        for name in ("verify_calls_total", "resyncs_total", "drafted_tokens_total", "accepted_tokens_total", "bytes_sent_total")
+        for name in (
+            "verify_calls_total",
+            "resyncs_total",
+            "rejected_answers_total",
+            "drafted_tokens_total",
+            "accepted_tokens_total",
+            "bytes_sent_total",
+        )
     }
     assert samples == {
         "verify_calls_total": 1,
         "resyncs_total": 1,
+        "rejected_answers_total": 2,
         "drafted_tokens_total": 3,
         "accepted_tokens_total": 2,
         "bytes_sent_total": 100,

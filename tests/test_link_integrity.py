@@ -17,6 +17,7 @@ import pytest
 from edge_agent.verifier_client import SessionLostError, UntrustedAnswerError, VerifierProtocolError, checked_verdict
 from edge_support import RecordingTransport, in_process_engine
 from gateway.engine import GenerationRequest
+from gateway.errors import RequestTooLargeError, ServiceUnavailableError, classify
 from gateway.protocol import SpadeStats
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import UNDIGESTED_FIELDS, VerifyRequest, VerifyResponse, VerifyTimings, context_digest, verdict_digest
@@ -135,16 +136,30 @@ def test_garbled_invalid_and_5xx_answers_are_untrusted(response):
         _check(response)
 
 
-def test_a_409_resync_and_a_4xx_refusal_are_told_apart():
-    resync = httpx.Response(409, json={"error": {"message": "m", "type": "conflict_error", "code": "session_resync_required"}})
-    refusal = httpx.Response(400, json={"error": {"message": "m", "type": "invalid_request_error", "code": None}})
-    kinds = []
-    for response in (resync, refusal):
-        try:
-            _check(response)
-        except (SessionLostError, VerifierProtocolError) as error:
-            kinds.append(type(error))
-    assert kinds == [SessionLostError, VerifierProtocolError]
+def _refusal(status: int, code: str | None) -> httpx.Response:
+    return httpx.Response(status, json={"error": {"message": "m", "type": "invalid_request_error", "param": None, "code": code}})
+
+
+@pytest.mark.parametrize(
+    ("response", "kind", "code"),
+    [
+        (_refusal(409, "session_resync_required"), SessionLostError, None),
+        (_refusal(400, None), VerifierProtocolError, None),
+        (_refusal(422, None), VerifierProtocolError, None),
+        (_refusal(401, "invalid_api_key"), ServiceUnavailableError, "verifier_auth_failed"),
+        (_refusal(403, None), ServiceUnavailableError, "verifier_auth_failed"),
+        (_refusal(413, "request_too_large"), RequestTooLargeError, "request_too_large"),
+    ],
+    ids=["409-resync", "400", "422", "401", "403", "413"],
+)
+def test_a_refusal_is_told_by_whose_it_is(response, kind, code):
+    # A resync is the protocol's; a refused key the operator's (503); a body over the
+    # verifier's limit the prompt's (413); any other refusal a call we built wrong (500).
+    with pytest.raises(kind) as raised:
+        _check(response)
+    assert type(raised.value) is kind
+    if code is not None:
+        assert (raised.value.code, classify(raised.value)[1]) == (code, 503 if kind is ServiceUnavailableError else 413)
 
 
 def test_the_check_costs_well_under_a_millisecond_per_call():
@@ -211,7 +226,7 @@ class SpoilingTransport(RecordingTransport):
         return httpx.Response(200, content=content, headers={"content-type": "application/json"})
 
 
-async def _spoiled_generation(pair) -> tuple[list[int], list[int], SpadeStats, int]:
+async def _spoiled_generation(pair) -> tuple[list[int], list[int], SpadeStats, int, float]:
     async with in_process_engine(pair, draft_length="3", transport_class=SpoilingTransport) as stack:
         tokenizer = stack.engine.tokenizer
         request = GenerationRequest("spoiled", tokenizer.encode("The edge drafts"), 40, SamplingConfig(temperature=0), frozenset())
@@ -220,7 +235,8 @@ async def _spoiled_generation(pair) -> tuple[list[int], list[int], SpadeStats, i
         batches = stack.engine.generate(request, stats)
         async with contextlib.aclosing(batches):
             speculative = [t async for batch in batches for t in batch.token_ids]
-        return target_only, speculative, stats, stack.transport.num_spoiled
+        rejected = stack.metrics.registry.get_sample_value("spade_edge_rejected_answers_total")
+        return target_only, speculative, stats, stack.transport.num_spoiled, rejected
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +245,16 @@ def spoiled(tiny_pair):
 
 
 def test_spoiled_verdicts_never_reach_the_output(spoiled):
-    target_only, speculative, _, num_spoiled = spoiled
+    target_only, speculative, _, num_spoiled, _ = spoiled
     assert (speculative, num_spoiled > 0) == (target_only, True)
+
+
+def test_every_rejected_answer_is_counted_on_the_metrics(spoiled):
+    *_, num_spoiled, rejected = spoiled
+    assert rejected == num_spoiled
 
 
 def test_a_spoiled_verdict_is_retried_not_resynced(spoiled):
     # The retry is answered from the verifier's memory: the session never had to be rebuilt.
-    _, _, stats, _ = spoiled
+    _, _, stats, _, _ = spoiled
     assert stats.resyncs == 0
