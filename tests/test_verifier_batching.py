@@ -426,7 +426,7 @@ class SlowRunner:
         return results, ForwardRecord(len(shares), len(shares) * 2 + len(self.sessions_per_forward) % 3, self.forward_s)
 
 
-def _alternating_edges(hold_fraction: float) -> list[int]:
+def _alternating_edges(limits: SchedulerLimits) -> list[int]:
     """Two edges, each calling again 30 ms after its answer (their first calls 60 ms apart),
     against forwards of 150 ms; returns the sessions of each forward."""
     from concurrent.futures import ThreadPoolExecutor
@@ -442,7 +442,7 @@ def _alternating_edges(hold_fraction: float) -> list[int]:
     async def run() -> list[int]:
         runner = SlowRunner(0.15)
         with ThreadPoolExecutor(max_workers=1) as executor:
-            scheduler = Scheduler(runner, executor, SchedulerLimits(max_batch_sessions=4, hold_fraction=hold_fraction))
+            scheduler = Scheduler(runner, executor, limits)
             await asyncio.gather(edge(scheduler, "a", 0.0), edge(scheduler, "b", 0.06))
             await scheduler.aclose()
         return runner.sessions_per_forward
@@ -452,15 +452,21 @@ def _alternating_edges(hold_fraction: float) -> list[int]:
 
 def test_holding_a_forward_lets_two_edges_share_their_forwards():
     # Without holding, each edge's call arrives while the other's forward runs: they alternate,
-    # one session per forward. Holding up to half a forward for a session due within it merges
-    # them after the first rounds.
-    alternating = _alternating_edges(hold_fraction=0.0)
-    held = _alternating_edges(hold_fraction=0.5)
-    assert sum(held) == sum(alternating) == 16
+    # one session per forward. Holding for a session due within the forward's fixed part (here
+    # all of its 150 ms) merges them after the first rounds; so does the rule before it, holding
+    # up to half a forward.
+    alternating = _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_scale=0.0))
     assert alternating.count(2) <= 2
-    # Once both edges' gaps are learnt (three forwards), every forward serves both, until the
-    # edge that started first makes its last call alone.
-    assert held.count(2) >= 5
+    for rule in ("cost", "fraction"):
+        held = _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_rule=rule, hold_fraction=0.5))
+        assert sum(held) == sum(alternating) == 16
+        # Once both edges' gaps are learnt (three forwards), every forward serves both, until the
+        # edge that started first makes its last call alone.
+        assert held.count(2) >= 5, rule
+
+
+def test_the_fraction_rule_at_zero_never_holds():
+    assert _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_rule="fraction", hold_fraction=0.0)).count(2) <= 2
 
 
 # --- the service: metrics and timings -------------------------------------------------------------------

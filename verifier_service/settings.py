@@ -61,13 +61,26 @@ class VerifierSettings(ServiceSettings):
         ge=0,
         description="--backend transformers: shortest wait for more sessions before a forward runs while the target is idle.",
     )
+    batch_hold_rule: Literal["cost", "fraction"] = Field(
+        "cost",
+        description=(
+            "--backend transformers: when a forward waits for sessions whose next call is due soon (learnt per session), so"
+            " many edges' calls share forwards: cost = while the wait costs less than the forward's fixed part it saves"
+            " (scaled by --batch-hold-scale); fraction = for sessions due within --batch-hold-fraction of its expected time."
+        ),
+    )
+    batch_hold_scale: float = Field(
+        1.0,
+        ge=0,
+        description="--backend transformers, --batch-hold-rule cost: multiplies the wait the rule allows; 0 = never hold.",
+    )
     batch_hold_fraction: float = Field(
         0.25,
         ge=0,
         le=1,
         description=(
-            "--backend transformers: a forward waits up to this fraction of its expected time for a session whose next call"
-            " is due within it (learnt per session), so many edges' calls share forwards; 0 = never hold."
+            "--backend transformers, --batch-hold-rule fraction: a forward waits up to this fraction of its expected time"
+            " for a session whose next call is due within it; 0 = never hold."
         ),
     )
     fast_kernels: bool = Field(
@@ -117,6 +130,8 @@ class VerifierSettings(ServiceSettings):
             max_forward_rows=self.max_forward_rows,
             max_block_rows=self.max_draft_length + 1,
             batch_wait_s=self.batch_wait_ms / 1000.0,
+            hold_rule=self.batch_hold_rule,
+            hold_scale=self.batch_hold_scale,
             hold_fraction=self.batch_hold_fraction,
             max_draft_length=self.max_draft_length,
         )

@@ -19,9 +19,11 @@ chunk's forward (``max_forward_rows`` rows), and the prompt gets a big chunk eve
 A call whose caller went away is dropped before it costs a row.
 
 Holding (forwards that serve many sessions): the scheduler learns each session's gap between
-its answer and its next call. When a forward is about to start and a session not yet queued is
-due within ``hold_fraction`` of the forward's expected time, the forward waits for it (at most
-that long): N edges' calls then meet in one forward instead of alternating.
+its answer and its next call, and the rows it fed. When a forward is about to start, it waits for
+the sessions not yet queued that are due soon while ``hold.latest_worth_holding`` says the wait
+costs less than the forward's fixed part it saves (``hold_rule`` "cost", scaled by
+``hold_scale``), or, with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the
+forward's expected time: N edges' calls then meet in one forward instead of alternating.
 
 Advice: after each forward, every answered call's session gets ``advice.advised_lengths`` for
 its next block (the verifier's limit while the target is not saturated).
@@ -43,6 +45,7 @@ from verifier_service.backends.transformers.advice import (
     ForwardCost,
     advised_lengths,
 )
+from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
 from verifier_service.backends.transformers.runner import ModelRunner, Share, ShareResult
 
 MIN_CHUNK_ROWS = 16
@@ -51,6 +54,7 @@ ACTIVE_S = 10.0
 """A session answered this recently, and not known to have ended, counts as active."""
 GAP_DECAY = 0.7
 """Weight of the earlier gaps in a session's expected gap between answer and next call."""
+HOLD_RULES = ("cost", "fraction")
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,14 @@ class SchedulerLimits:
     """The largest need treated as one block (the verifier's longest draft + 1)."""
     batch_wait_s: float = 0.0
     """While the target is idle, how long the oldest call waits for company at least."""
+    hold_rule: str = "cost"
+    """"cost": hold while the wait costs less than the forward's fixed part it saves
+    (``hold.hold_is_worth``); "fraction": for sessions due within ``hold_fraction`` of the
+    forward's expected time (the rule before; kept to compare)."""
+    hold_scale: float = 1.0
+    """The "cost" rule's allowed wait is multiplied by this (0: never hold)."""
     hold_fraction: float = 0.25
-    """A forward waits up to this fraction of its expected time for a session due within it."""
+    """The "fraction" rule: a forward waits up to this fraction of its expected time."""
     max_draft_length: int = 64
     """The verifier's longest draft: the advice never exceeds it."""
 
@@ -73,6 +83,8 @@ class SchedulerLimits:
             raise ValueError("scheduler limits must be positive")
         if self.batch_wait_s < 0 or not 0 <= self.hold_fraction <= 1:
             raise ValueError("batch_wait_s must be >= 0 and hold_fraction within [0, 1]")
+        if self.hold_rule not in HOLD_RULES or self.hold_scale < 0:
+            raise ValueError(f"hold_rule must be one of {', '.join(HOLD_RULES)} and hold_scale >= 0")
 
 
 @dataclass
@@ -137,6 +149,8 @@ class SessionPace:
     drafts: bool = False
     """The session has sent a drafted block (target-only steps never do)."""
     advice: int | None = None
+    rows: int = 1
+    """The rows its last answered call fed (what its next call is expected to add to a forward)."""
 
     def arrived(self, now: float) -> None:
         if self.answered_at is None:
@@ -263,6 +277,7 @@ class Scheduler:
             pace.acceptance.observe(call.block.num_drafted, result.acceptance.num_accepted)
             pace.drafts = pace.drafts or call.block.num_drafted > 0
             pace.answered_at = time.perf_counter()
+            pace.rows = min(result.num_rows, self.limits.max_block_rows)
             settle(call.future, verdict=verdict_of(call, result, record, started))
         self._advise(answered)
 
@@ -301,7 +316,7 @@ class Scheduler:
 
     async def _gather(self) -> None:
         """Before a forward: wait for company while the target was idle (``batch_wait_s``), and
-        hold for sessions due within ``hold_fraction`` of the forward's expected time."""
+        hold for the sessions due soon that are worth it (``_hold_until``)."""
         wait_until = time.perf_counter() + self.limits.batch_wait_s
         while len({call.block.session_id for call in self._queue}) < self.limits.max_batch_sessions:
             remaining = max(wait_until, self._hold_until() or 0.0) - time.perf_counter()
@@ -316,18 +331,23 @@ class Scheduler:
     def _hold_until(self) -> float | None:
         """The latest due time of the sessions worth holding the next forward for, or None."""
         line = self._cost.line()
-        if line is None or self.limits.hold_fraction == 0:
+        if line is None:
             return None
         queued = {call.block.session_id for call in self._queue}
         rows = sum(min(self._need(call), self.limits.max_forward_rows) for call in self._queue)
-        window = self.limits.hold_fraction * (line[0] + line[1] * rows)
         now = time.perf_counter()
         due = [
-            due_at
+            (due_at - now, pace.rows)
             for session_id, pace in self._paces.items()
-            if session_id not in queued and (due_at := pace.due_at()) is not None and now <= due_at <= now + window
+            if session_id not in queued and (due_at := pace.due_at()) is not None and now <= due_at
         ]
-        return max(due) if due else None
+        if self.limits.hold_rule == "fraction":
+            window = self.limits.hold_fraction * (line[0] + line[1] * rows)
+            wait_s = max((wait for wait, _ in due if wait <= window), default=None)
+        else:
+            saturated = self._busy.fraction >= SATURATION
+            wait_s = latest_worth_holding(due, line, Sessions(len(queued), rows), saturated, self.limits.hold_scale)
+        return None if wait_s is None else now + wait_s
 
 
 def verdict_of(call: PendingCall, result: ShareResult, record: ForwardRecord, started: float) -> BlockVerdict:

@@ -1,0 +1,82 @@
+"""Holding a forward for sessions due soon (``backends.transformers.hold``): the rule against
+explicit timelines of both plans, and its cases on this CPU's and a GPU's cost lines."""
+
+from __future__ import annotations
+
+import random
+
+from verifier_service.backends.transformers.hold import Sessions, hold_is_worth, latest_worth_holding
+
+AVX2_CPU = (0.37, 0.056)
+"""t(R) = 0.37 + 0.056 R s: the 1.5B target's cost line on the AVX2 box (docs/benchmarks.md)."""
+GPU = (0.007, 0.00003)
+"""A small forward on a GPU: nearly all fixed part."""
+
+
+def summed_answer_times(hold: bool, wait_s: float, cost: tuple[float, float], queued: Sessions, due: Sessions, saturated: bool) -> float:
+    """The two plans as timelines from now: the seconds until each session's answer, summed;
+    saturated, plus what the queued sessions' next round then waits behind the due sessions'
+    own forward (they are back before it ends)."""
+    fixed_s, per_row_s = cost
+
+    def forward_s(rows: int) -> float:
+        return fixed_s + per_row_s * rows
+
+    if hold:
+        return (queued.count + due.count) * (wait_s + forward_s(queued.rows + due.rows))
+    queued_answered = forward_s(queued.rows)
+    due_answered = queued_answered + forward_s(due.rows)  # they arrived during the first forward
+    pushed = (due_answered - queued_answered) if saturated else 0.0
+    return queued.count * (queued_answered + pushed) + due.count * due_answered
+
+
+def test_the_rule_holds_exactly_when_holding_shortens_the_summed_answer_times():
+    rng = random.Random(5)
+    for _ in range(2000):
+        cost = (rng.uniform(0.001, 0.5), rng.uniform(0.0, 0.1))
+        queued = Sessions(rng.randint(1, 8), 0)
+        queued = Sessions(queued.count, queued.count * rng.randint(1, 9))
+        due = Sessions(rng.randint(1, 8), 0)
+        due = Sessions(due.count, due.count * rng.randint(1, 9))
+        saturated = rng.random() < 0.5
+        wait_s = rng.uniform(0.0, cost[0] + cost[1] * queued.rows)  # due before the queued forward ends
+        held = summed_answer_times(True, wait_s, cost, queued, due, saturated)
+        started = summed_answer_times(False, wait_s, cost, queued, due, saturated)
+        if abs(held - started) > 1e-9:
+            assert hold_is_worth(wait_s, cost, queued, due, saturated) == (held < started)
+
+
+def test_saturated_a_forward_waits_for_company_due_within_its_fixed_part():
+    one, many = Sessions(1, 3), Sessions(7, 21)
+    for queued in (one, many):
+        assert hold_is_worth(0.30, AVX2_CPU, queued, one, saturated=True)
+        assert not hold_is_worth(0.40, AVX2_CPU, queued, one, saturated=True)
+
+
+def test_not_saturated_the_queued_sessions_delay_counts():
+    # Two edges on this CPU: worth (0.37 - 0.056 * 3) / 2 = 0.101 s of waiting.
+    assert hold_is_worth(0.09, AVX2_CPU, Sessions(1, 3), Sessions(1, 3), saturated=False)
+    assert not hold_is_worth(0.12, AVX2_CPU, Sessions(1, 3), Sessions(1, 3), saturated=False)
+    # Past the knee, four queued sessions never wait for one more session's 5 rows ...
+    assert not hold_is_worth(0.001, AVX2_CPU, Sessions(4, 12), Sessions(1, 5), saturated=False)
+    # ... while on a GPU, where rows are nearly free, they wait nearly a fifth of the fixed part:
+    # (0.007 - 4 * 0.00003 * 5) / 5 = 0.00128 s.
+    assert hold_is_worth(0.0012, GPU, Sessions(4, 12), Sessions(1, 5), saturated=False)
+    assert not hold_is_worth(0.0014, GPU, Sessions(4, 12), Sessions(1, 5), saturated=False)
+
+
+def test_the_scale_stretches_or_turns_off_the_hold():
+    assert not hold_is_worth(0.0, AVX2_CPU, Sessions(1, 3), Sessions(1, 3), saturated=True, scale=0.0)
+    assert not hold_is_worth(0.5, AVX2_CPU, Sessions(1, 3), Sessions(1, 3), saturated=True)
+    assert hold_is_worth(0.5, AVX2_CPU, Sessions(1, 3), Sessions(1, 3), saturated=True, scale=1.5)
+    assert not hold_is_worth(0.1, AVX2_CPU, Sessions(1, 3), Sessions(0, 0), saturated=True)
+
+
+def test_the_latest_session_worth_waiting_for_brings_the_sooner_ones_along():
+    queued = Sessions(1, 3)
+    assert latest_worth_holding([], AVX2_CPU, queued, saturated=True) is None
+    assert latest_worth_holding([(0.9, 3), (0.2, 3), (0.05, 3)], AVX2_CPU, queued, saturated=True) == 0.2
+    # Not saturated, waiting 0.15 s is not worth it for one session of 2 rows
+    # ((0.37 - 0.056 * 2) / 2 = 0.129 s), but is for two of a row each ((0.74 - 0.056 * 2) / 3 = 0.209 s).
+    assert latest_worth_holding([(0.15, 2)], AVX2_CPU, Sessions(1, 2), saturated=False) is None
+    assert latest_worth_holding([(0.14, 1), (0.15, 1)], AVX2_CPU, Sessions(1, 2), saturated=False) == 0.15
