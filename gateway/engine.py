@@ -53,8 +53,9 @@ def check_logprobs_support(support: LogprobsSupport, sampling: SamplingConfig, p
         return
     if support == "greedy":
         reason = (
-            "at temperature > 0 this verifier (vLLM backend, sample_match route) cannot report them: "
-            "use temperature 0, or run the verifier with --vllm-exact-route full_logprobs"
+            "at temperature > 0 this verifier (vLLM backend: the sample_match route, or vLLM's own decode loop) cannot "
+            "report them: use temperature 0, or run the verifier with --vllm-exact-route full_logprobs (and, for its own "
+            "OpenAI routes, --target-route verify-steps)"
         )
     else:
         reason = "the verifier is too old to report them: upgrade it"

@@ -289,3 +289,37 @@ def test_each_service_keeps_its_own_port():
     from verifier_service.settings import VerifierSettings
 
     assert (VerifierSettings().port, EdgeSettings().port) == (8001, 8000)
+
+
+@pytest.mark.parametrize(
+    "arguments,route",
+    [
+        ([], "verify-steps"),  # transformers: its only route
+        (["--target-route", "verify-steps"], "verify-steps"),
+        (["--backend", "vllm"], "native"),  # vLLM's own decode loop by default
+        (["--backend", "vllm", "--target-route", "verify-steps"], "verify-steps"),
+    ],
+)
+def test_the_target_only_route_is_native_by_default_on_vllm(arguments, route):
+    import argparse
+
+    from gateway.cli import add_settings_arguments, settings_from_arguments
+    from verifier_service.settings import VerifierSettings
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, VerifierSettings)
+    assert settings_from_arguments(parser, parser.parse_args(arguments), VerifierSettings).target_only_route() == route
+
+
+def test_the_native_route_without_vllm_is_refused_with_the_reason(capsys):
+    import argparse
+
+    from gateway.cli import add_settings_arguments, settings_from_arguments
+    from verifier_service.settings import VerifierSettings
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, VerifierSettings)
+    with pytest.raises(SystemExit) as exited:
+        settings_from_arguments(parser, parser.parse_args(["--target-route", "native"]), VerifierSettings)
+    assert exited.value.code == 2
+    assert "--target-route: Value error, native is vLLM's own decode loop: it needs --backend vllm" in capsys.readouterr().err

@@ -32,7 +32,7 @@ from verifier_service.protocol import (
 from verifier_service.service import VerifierService
 from verifier_service.sessions import SessionRegistry
 from verifier_service.settings import VerifierSettings
-from verifier_service.target_engine import TargetOnlyEngine
+from verifier_service.target_engine import create_target_engine
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     backend.observe_forwards(app.state.metrics.observe_model_forward)
     sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings))
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics)
-    app.state.engine = TargetOnlyEngine(backend, app.state.metrics)
-    logger.info("verifier ready: %s (%s backend)", backend.model.model_id, backend.name)
+    route = settings.target_only_route()
+    app.state.engine = create_target_engine(backend, route, app.state.metrics)
+    logger.info("verifier ready: %s (%s backend, target-only route %s)", backend.model.model_id, backend.name, route)
 
 
 def _kv_budget(backend: VerifierBackend, settings: VerifierSettings) -> KvBudget | None:

@@ -84,6 +84,20 @@ class VerifierMetrics:
         self.cut_tokens = Counter(
             "spade_verifier_cut_tokens", "Drafted tokens cut off blocks longer than the advice", registry=self.registry
         )
+        self.native_requests = Counter(
+            "spade_verifier_native_requests",
+            (
+                "Target-only requests decoded by vLLM's own loop (--target-route native), one per generation; their"
+                " tokens count in spade_verifier_target_tokens (uncached prompt + tokens fed back) and"
+                " spade_verifier_generated_tokens, their forwards are vLLM's and are not in spade_verifier_forward_passes"
+            ),
+            registry=self.registry,
+        )
+        self.native_aborted = Counter(
+            "spade_verifier_native_aborted",
+            "Native target-only requests aborted in vLLM before it finished them (client gone, a stop string, an error)",
+            registry=self.registry,
+        )
         self.forward_seconds_by_block = Histogram(
             "spade_verifier_forward_seconds_by_block",
             "The model call alone per forward, by draft length (0 = a target-only step; 17+ pooled; "
@@ -92,6 +106,14 @@ class VerifierMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+    def observe_native_request(self, num_target_tokens: int, num_generated: int, queue_s: float, *, is_aborted: bool) -> None:
+        """One target-only request decoded by vLLM's own loop (``--target-route native``)."""
+        self.native_requests.inc()
+        self.native_aborted.inc(is_aborted)
+        self.target_tokens.inc(num_target_tokens)
+        self.generated_tokens.inc(num_generated)
+        self.queue_seconds.observe(queue_s)
 
     def observe_forward(self, verdict: BlockVerdict, num_drafted: int = 0) -> None:
         """Every forward pass, whether for a verify call or a target-only step (num_drafted 0)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.settings import ServiceSettings
@@ -109,6 +109,29 @@ class VerifierSettings(ServiceSettings):
             "(sample_match), or full-vocabulary logprobs feed the acceptance rule (full_logprobs, heavy)."
         ),
     )
+
+    target_route: Literal["native", "verify-steps"] | None = Field(
+        None,
+        description=(
+            "How the OpenAI routes decode target-only: native, one vLLM request per generation streamed from vLLM's own"
+            " decode loop (--backend vllm only; vLLM's speed); verify-steps, one verify call with an empty block per token,"
+            " the very code that verifies drafts (greedy SPADE equals it by construction). Default: native on --backend vllm,"
+            " verify-steps on transformers (its only route)."
+        ),
+    )
+
+    @field_validator("target_route")
+    @classmethod
+    def _native_needs_vllm(cls, route: str | None, info: ValidationInfo) -> str | None:
+        if route == "native" and info.data.get("backend") != "vllm":
+            raise ValueError("native is vLLM's own decode loop: it needs --backend vllm (transformers serves verify-steps only)")
+        return route
+
+    def target_only_route(self) -> Literal["native", "verify-steps"]:
+        """The route the OpenAI endpoints decode by: as set, else native on vLLM, verify-steps elsewhere."""
+        if self.target_route is not None:
+            return self.target_route
+        return "native" if self.backend == "vllm" else "verify-steps"
 
     def session_limits(self) -> SessionLimits:
         from verifier_service.sessions import SessionLimits

@@ -1,16 +1,19 @@
 """Target-only decoding behind the verifier's OpenAI routes: the cloud-only baseline users
 compare against, and the path an edge can fall back to.
 
-Each step is a verify call with an empty block, so it runs the very code that verifies drafts:
-same cache, same sampling transform, same seeded draws. At temperature 0 the speculative
-output must therefore equal this output token for token.
+Two routes (``--target-route``): ``verify-steps`` (this module's engine, the transformers
+backend's only route) and ``native`` (``backends.vllm_native``: vLLM's own decode loop, the
+default with ``--backend vllm``). On the verify-steps route each step is a verify call with an
+empty block, so it runs the very code that verifies drafts: same cache, same sampling
+transform, same seeded draws. At temperature 0 the speculative output must therefore equal this
+route's output token for token.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 
-from gateway.engine import GeneratedTokens, GenerationRequest
+from gateway.engine import GeneratedTokens, GenerationEngine, GenerationRequest
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
@@ -47,3 +50,16 @@ class TargetOnlyEngine:
                     return
         finally:
             self._backend.release_session(session_id)
+
+
+def create_target_engine(backend: VerifierBackend, route: str, metrics: VerifierMetrics) -> GenerationEngine:
+    """The engine behind the OpenAI routes for ``--target-route`` (settings refuse native on a
+    backend other than vLLM)."""
+    if route == "verify-steps":
+        return TargetOnlyEngine(backend, metrics)
+    from verifier_service.backends.vllm_backend import VllmBackend
+    from verifier_service.backends.vllm_native import VllmNativeEngine
+
+    if not isinstance(backend, VllmBackend):
+        raise ValueError(f"--target-route {route} needs --backend vllm, not {backend.name}")
+    return VllmNativeEngine(backend, metrics)

@@ -8,8 +8,10 @@ deselects the ``vllm`` mark, collects these files without vLLM installed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -65,3 +67,32 @@ def target_logits(hf_target):
             return hf_target.model(input_ids=torch.tensor([token_ids])).logits[0].float()
 
     return forward
+
+
+@dataclass(frozen=True)
+class ServedVerifier:
+    """A verifier app built as ``spade-verifier --backend vllm`` builds it, served on loopback."""
+
+    url: str
+    app: Any
+
+
+def served_verifier(vllm_pair: VllmPair, **settings: Any) -> Iterator[ServedVerifier]:
+    from servers import serve
+    from verifier_support import verifier_app
+
+    app = verifier_app(vllm_pair, backend="vllm", **settings)
+    with serve(app, timeout_s=240) as url:
+        yield ServedVerifier(url, app)
+
+
+@pytest.fixture(scope="session")
+def native_verifier(vllm_pair) -> Iterator[ServedVerifier]:
+    """The default: target-only requests on vLLM's own decode loop (--target-route native)."""
+    yield from served_verifier(vllm_pair)
+
+
+@pytest.fixture(scope="session")
+def steps_verifier(vllm_pair) -> Iterator[ServedVerifier]:
+    """Target-only requests as one verify call with an empty block per token (--target-route verify-steps)."""
+    yield from served_verifier(vllm_pair, target_route="verify-steps")

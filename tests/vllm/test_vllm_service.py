@@ -33,7 +33,6 @@ from verifier_support import (
     post_verify,
     random_tokens,
     reference_verdict,
-    verifier_app,
     verify,
     verify_body,
 )
@@ -45,10 +44,10 @@ MAX_NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def verifier_url(vllm_pair):
-    """The transformers suite's app settings (max context, draft and support limits), vLLM backend."""
-    with serve(verifier_app(vllm_pair, backend="vllm"), timeout_s=240) as url:
-        yield url
+def verifier_url(native_verifier):
+    """The transformers suite's app settings (max context, draft and support limits), vLLM backend
+    (its default target-only route, native; the server is shared with test_vllm_native)."""
+    return native_verifier.url
 
 
 @pytest.fixture(scope="module")
