@@ -210,7 +210,7 @@ class VllmBackend(VerifierBackend):
             top_logprobs=result.top_logprobs,
         )
 
-    def release_session(self, session_id: str) -> None:
+    def release_session(self, session_id: str, retain: bool = True) -> None:
         # vLLM's prefix cache is shared and evicts by itself; only forget the session.
         self._known_sessions.discard(session_id)
 
