@@ -31,12 +31,13 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 @runtime_checkable
 class RetainedKv(Protocol):
     """KV a backend keeps beyond its sessions (ended sessions' caches kept as shared prefixes):
-    it counts against the budget, and is the first to go when a call needs room."""
+    it counts against the budget, and is the first to go when a call needs room: the registry
+    sets its room (``limit_retained``) whenever the sessions' share changes."""
 
     @property
     def num_retained_tokens(self) -> int: ...
 
-    def shrink_retained(self, max_tokens: int) -> None: ...
+    def limit_retained(self, max_tokens: int) -> None: ...
 
 
 @dataclass(frozen=True)

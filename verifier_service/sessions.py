@@ -100,8 +100,7 @@ class SessionRegistry:
             return []
         others = [s for s in self._sessions.values() if s is not session]
         held = sum(s.num_cached_tokens for s in others)
-        if self.retained is not None:
-            self.retained.shrink_retained(max(0, self.kv_budget.max_tokens - held - num_tokens))
+        self._limit_retained(held + num_tokens)
         evicted = []
         for other in others:
             if held + num_tokens <= self.kv_budget.max_tokens:
@@ -139,7 +138,14 @@ class SessionRegistry:
         return session
 
     def remove(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        removed = self._sessions.pop(session_id, None) is not None
+        self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
+        return removed
+
+    def _limit_retained(self, num_session_tokens: int) -> None:
+        """Retained prefix caches get what the sessions (and the call being admitted) leave."""
+        if self.retained is not None and self.kv_budget is not None:
+            self.retained.limit_retained(self.kv_budget.max_tokens - num_session_tokens)
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Drop expired sessions, then the least recently used beyond the limits (never
@@ -154,6 +160,8 @@ class SessionRegistry:
                 continue
             total_tokens -= len(self._sessions.pop(session_id).token_ids)
             evicted.append(session_id)
+        if evicted:
+            self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
         return evicted
 
     def _is_expired(self, session: Session) -> bool:

@@ -52,7 +52,7 @@ class TransformersBackend(VerifierBackend):
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
         model is patched in place, and the target-only route runs the same patched model).
         ``max_retained_kv_bytes``: KV of ended sessions kept as shared prefixes (the session
-        registry's KV budget shrinks it further, ``shrink_retained``); None: no prefix store,
+        registry's KV budget sets it as its room changes, ``limit_retained``); None: no prefix store,
         nothing shared (calls' ``cache_namespace`` is ignored)."""
         self._tokenizer = loaded.tokenizer
         self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
@@ -115,11 +115,11 @@ class TransformersBackend(VerifierBackend):
         """Tokens of ended sessions' caches kept as shared prefixes (part of the KV budget)."""
         return 0 if self._runner.prefixes is None else self._runner.prefixes.num_retained_tokens
 
-    def shrink_retained(self, max_tokens: int) -> None:
-        """Free retained caches, least recently used first, down to ``max_tokens`` (now: a copy
-        in flight keeps its source alive until it is done)."""
+    def limit_retained(self, max_tokens: int) -> None:
+        """Retain at most ``max_tokens`` from now on, freeing the least recently used beyond
+        at once (a copy in flight keeps its source alive until it is done)."""
         if self._runner.prefixes is not None:
-            self._runner.prefixes.shrink(max_tokens)
+            self._runner.prefixes.limit(max_tokens)
 
     async def aclose(self) -> None:
         await self._scheduler.aclose()

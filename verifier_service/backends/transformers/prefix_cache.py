@@ -3,7 +3,7 @@ starts a session from another's prefix (``prefix_store`` holds the index and the
 
 Sources are the live sessions' caches (the runner's table, id ``("live", session_id)``) and
 retained caches of ended sessions (held here, id ``("kept", n)``). Everything here runs on the
-backend's worker thread, except ``shrink`` and ``num_retained_tokens`` (the memory budget's,
+backend's worker thread, except ``limit`` and ``num_retained_tokens`` (the memory budget's,
 from the event loop: the store locks, and dict removals are atomic).
 """
 
@@ -84,9 +84,9 @@ class PrefixCache:
         self.store.publish(source_id, namespace, entry.token_ids)
         self._drop(self.store.retain(source_id))
 
-    def shrink(self, max_tokens: int) -> None:
-        """Free retained caches, least recently used first, to hold at most ``max_tokens``."""
-        self._drop(self.store.shrink_retained(max_tokens))
+    def limit(self, max_tokens: int) -> None:
+        """Retain at most ``max_tokens`` from now on: free the least recently used beyond."""
+        self._drop(self.store.limit_retained(max_tokens))
 
     def clear(self) -> None:
         self._drop(self.store.shrink_retained(0))

@@ -22,7 +22,7 @@ Hits are never trusted to the hash: the lookup compares the token ids of the sou
 with the request's (``longest_prefix``), so a collision costs a miss, never a wrong cache.
 
 Retained sources are bounded (``max_retained_tokens``, and below it by whoever owns the memory
-budget: ``shrink_retained``), least recently used out first. A live session's cache is never
+budget: ``limit_retained``), least recently used out first. A live session's cache is never
 dropped by the store: live sources leave only when the session does (``withdraw``).
 """
 
@@ -144,6 +144,13 @@ class PrefixStore:
             indexed.is_retained = True
             self._retained[source_id] = len(indexed.token_ids)
             return covered + self._shrink(self.max_retained_tokens)
+
+    def limit_retained(self, max_tokens: int) -> list[Hashable]:
+        """From now on retain at most ``max_tokens`` (the memory budget's room for them);
+        returns the ids dropped to fit (the caller frees their caches)."""
+        with self._lock:
+            self.max_retained_tokens = max(0, max_tokens)
+            return self._shrink(self.max_retained_tokens)
 
     def shrink_retained(self, max_tokens: int) -> list[Hashable]:
         """Drop retained sources, least recently used first, until they hold at most
