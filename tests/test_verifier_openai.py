@@ -334,6 +334,8 @@ VERIFIER_COUNTERS = [
     "model_forward_rows",
     "cut_blocks",
     "cut_tokens",
+    "prompt_tokens",
+    "prefix_hit_tokens",
 ]
 
 
