@@ -13,8 +13,9 @@ from edge_agent.verifier_client import VerifyCall
 from gateway.protocol import SpadeStats
 
 
-def record_request_started(metrics: EdgeMetrics) -> None:
+def record_request_started(metrics: EdgeMetrics, num_prompt_tokens: int) -> None:
     metrics.requests.inc()
+    metrics.prompt_tokens.inc(num_prompt_tokens)
     metrics.active_requests.inc()
 
 
@@ -89,6 +90,7 @@ def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: 
     stats.draft_ms += drafting.exposed_s * 1e3
     stats.verify_ms += call.round_trip_s * 1e3
     stats.verifier_forward_ms += verdict.timings.forward_ms
+    stats.verifier_cached_tokens += verdict.num_cached_tokens
 
 
 def block_outcome(call: VerifyCall, num_drafted: int, drafting: Drafting) -> BlockOutcome:

@@ -39,7 +39,7 @@ from edge_agent.draft_length import DraftLengthPolicy
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.generation import Generation, draft_length
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.verifier_client import VerifierClient, VerifyCall
+from edge_agent.verifier_client import VerifierClient, VerifyCall, wire_cache_salt
 from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
@@ -127,12 +127,12 @@ class SpeculativeEngine:
             request,
             stats,
             draft_session=self._drafter.start_session(),
-            verifier_session=self._client.open_session(),
+            verifier_session=self._client.open_session(wire_cache_salt(request.cache_owner, request.cache_salt)),
             policy=self._options.draft_length_policy.for_request(),
             context=list(request.prompt_token_ids),
             sends_prompt_only=self._options.prefill_first,
         )
-        record_request_started(self._metrics)
+        record_request_started(self._metrics, len(request.prompt_token_ids))
         return generation
 
     def _finish(self, generation: Generation) -> None:

@@ -28,6 +28,12 @@ class EdgeMetrics:
             registry=r,
         )
         self.verify_calls = Counter("spade_edge_verify_calls", "Verify calls made", registry=r)
+        self.prompt_tokens = Counter("spade_edge_prompt_tokens", "Prompt tokens of the generation requests", registry=r)
+        self.verifier_cached_tokens = Counter(
+            "spade_edge_verifier_cached_tokens",
+            "Prompt tokens the verifier did not prefill: a prefix it had cached (same salt and key) covered them",
+            registry=r,
+        )
         self.resyncs = Counter("spade_edge_resyncs", "Verify calls repeated with the full context after a 409", registry=r)
         self.rejected_answers = Counter(
             "spade_edge_rejected_answers",
@@ -107,3 +113,4 @@ class EdgeMetrics:
         self.draft_seconds.observe(exposed_draft_s)
         self.verify_seconds.observe(call.round_trip_s)
         self.verifier_forward_seconds.observe(call.verdict.timings.forward_ms / 1e3)
+        self.verifier_cached_tokens.inc(call.verdict.num_cached_tokens)

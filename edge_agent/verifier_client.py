@@ -13,7 +13,9 @@ the whole context resent from the edge's own committed tokens (never the verifie
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 import logging
 import time
 import uuid
@@ -185,8 +187,9 @@ class VerifierClient:
             logger.info("waiting for verifier at %s: %s", self.base_url, reason)
             await asyncio.sleep(1.0)
 
-    def open_session(self) -> VerifierSession:
-        return VerifierSession(self, f"edge-{uuid.uuid4().hex}")
+    def open_session(self, cache_salt: str | None = None) -> VerifierSession:
+        """``cache_salt``: the verify calls' (``wire_cache_salt``)."""
+        return VerifierSession(self, f"edge-{uuid.uuid4().hex}", cache_salt=cache_salt)
 
     def end_session_soon(self, session_id: str) -> None:
         """DELETE the session in the background: a finishing (or cancelled) request must not wait."""
@@ -239,6 +242,8 @@ class VerifierSession:
     checked_digest: tuple[int, str] = (0, context_digest([]))
     """(length, context_digest) of the committed context the last verdict was checked against:
     the next call's prefix_digest, so each call hashes the context once, not twice."""
+    cache_salt: str | None = None
+    """Sent with every call: the verifier shares cached prefixes only among calls with the same."""
 
     async def verify(
         self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
@@ -319,7 +324,18 @@ class VerifierSession:
             draft_probs=block.probs,
             sampling=WireSampling.from_config(sampling),
             num_top_logprobs=num_top_logprobs,
+            cache_salt=self.cache_salt,
         )
+
+
+def wire_cache_salt(owner: str, cache_salt: str | None) -> str | None:
+    """The salt an edge's verify calls carry: the request's ``cache_salt``, with the edge's
+    caller (its API key id) folded in where the edge has keys. The verifier sees one caller,
+    the edge, so the edge keeps its own keys apart: their prompts never share a prefix there
+    (the time to first token would tell one key what another's prompts begin with)."""
+    if not owner:
+        return cache_salt
+    return hashlib.blake2b(json.dumps([owner, cache_salt or ""]).encode(), digest_size=16).hexdigest()
 
 
 BAD_RESPONSE_CODE = "verifier_bad_response"

@@ -33,6 +33,10 @@ class GenerationRequest:
     num_top_logprobs: int | None = None
     """None: no logprobs wanted (nothing computed). N >= 0: each token's logprob and its N most
     likely alternatives (``spade_core.sampling.reported_logprobs``)."""
+    cache_salt: str | None = None
+    """The request's ``cache_salt``: only requests with the same one share cached prefixes."""
+    cache_owner: str = ""
+    """The caller's API key id ("" without keys): prefixes are shared per key by default."""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ MAX_COMPLETION_LOGPROBS = 5
 """Alternatives per token of the legacy completions API (``logprobs``, OpenAI's bound)."""
 
 MAX_STOP_STRINGS = 8
+MAX_CACHE_SALT_LENGTH = 256
+"""Characters in a request's ``cache_salt``."""
 MAX_STOP_LENGTH = 1024
 """Characters in one stop string (each generated delta is matched against every prefix)."""
 
@@ -143,6 +145,13 @@ class _GenerationFields(UnicodeChecked):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_LENGTH,
+        description="As vLLM's: only requests with the same salt share cached prompt prefixes (a prefix hit shows in the "
+        "time to the first token); by default the verifier also never shares them across API keys.",
+    )
     # Accepted and ignored (as OpenAI's schema types them, so a wrong type is still a 400):
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
@@ -276,12 +285,21 @@ class SpadeStats(BaseModel):
     shorter when its forwards follow each other); None for target-only decoding."""
     advice_capped_blocks: int = 0
     """Blocks drafted shorter than the draft-length policy chose, to follow the verifier's advice."""
+    verifier_cached_tokens: int = 0
+    """Prompt tokens the verifier did not prefill: a cached prefix (another request's, same
+    salt and key) covered them. Also ``usage.prompt_tokens_details.cached_tokens``."""
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens the verifier's prefix cache covered (not prefilled again)."""
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 FinishReason = Literal["stop", "length"]

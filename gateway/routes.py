@@ -7,6 +7,7 @@ route answers 503 in the OpenAI envelope.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -19,6 +20,7 @@ from gateway.lifecycle import SHUTDOWN_MARGIN_S, Drain, run_while_wanted
 from gateway.limits import RequestLimits
 from gateway.openapi import GENERATION_ERRORS, error_responses
 from gateway.protocol import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ModelCard, ModelList
+from gateway.security import caller_key_id
 from gateway.serving import (
     PreparedRequest,
     TextGeneration,
@@ -90,7 +92,8 @@ def _limits(request: Request) -> RequestLimits:
 async def _respond(engine: GenerationEngine, prepared: PreparedRequest, request: Request):
     """Stream, or answer once complete; either way the generation stops when the client goes
     or the shutdown grace period ends (see gateway.lifecycle)."""
-    generation = TextGeneration(engine, prepared)
+    owner = caller_key_id(request) or ""
+    generation = TextGeneration(engine, replace(prepared, generation=replace(prepared.generation, cache_owner=owner)))
     request.state.request_id = prepared.identity.id  # what the error log names (gateway.errors)
     drain: Drain | None = getattr(request.app.state, "drain", None)
     if prepared.stream:

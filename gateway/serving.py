@@ -35,6 +35,7 @@ from gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     FinishReason,
+    PromptTokensDetails,
     SpadeStats,
     Usage,
 )
@@ -128,6 +129,7 @@ def _prepare(engine, request, kind: str, chunk_object: str, prompt_ids: list[int
         sampling=sampling,
         eos_token_ids=model.eos_token_ids,
         num_top_logprobs=request.num_top_logprobs,
+        cache_salt=request.cache_salt,
     )
     identity = chunks.StreamIdentity(request_id, model.model_id, int(time.time()), chunk_object)
     return PreparedRequest(kind, identity, generation, request.stop_strings, request.stream, request.include_usage_chunk)
@@ -152,6 +154,7 @@ class TextGeneration:
             prompt_tokens=prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.stats.verifier_cached_tokens),
         )
 
     async def deltas(self) -> AsyncGenerator[TextDelta, None]:

@@ -111,7 +111,7 @@ class HeldVerifyBackend(VerifierBackend):
         await asyncio.sleep(self.hold_s)
         return await self.inner.verify_block(block)
 
-    def release_session(self, session_id: str) -> None:
+    def release_session(self, session_id: str, retain: bool = True) -> None:
         self.inner.release_session(session_id)
 
     async def aclose(self) -> None:

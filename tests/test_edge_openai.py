@@ -80,14 +80,19 @@ def greedy_text(greedy_completion) -> str:
 
 @pytest.fixture(scope="module")
 def chat_stream(client) -> list:
-    """A seeded sampled chat stream with usage, as the openai client parses it."""
-    return list(client.chat.completions.create(messages=CHAT, stream=True, stream_options={"include_usage": True}, **SEEDED))
+    """A seeded sampled chat stream with usage, as the openai client parses it (a salt of its
+    own: no prefix the other requests of this module cached is reused, as for chat_response)."""
+    return list(
+        client.chat.completions.create(
+            messages=CHAT, stream=True, stream_options={"include_usage": True}, extra_body={"cache_salt": "chat-stream"}, **SEEDED
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def chat_response(client):
     """The same request as chat_stream, not streamed."""
-    return client.chat.completions.create(messages=CHAT, **SEEDED)
+    return client.chat.completions.create(messages=CHAT, extra_body={"cache_salt": "chat-response"}, **SEEDED)
 
 
 def test_the_greedy_text_is_the_targets_own_continuation(greedy_token_ids, tokenizer, greedy_text):

@@ -130,7 +130,7 @@ async def test_a_non_streamed_completion_carries_text_usage_and_spade(tokenizer)
     body = (await post(ScriptedEngine(tokenizer, ["d", "e", "<|im_end|>"]), "/v1/completions", {"model": MODEL, "prompt": "a b c"})).json()
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert (body["choices"][0]["text"], body["choices"][0]["finish_reason"]) == ("d e", "stop")
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["spade"]["verify_calls"] == 2
 
 

@@ -92,7 +92,10 @@ def test_every_chat_stream_chunk_and_the_usage_chunk_match_openais_schema(edge_u
     chunks = _stream(edge_url, "/v1/chat/completions", CHAT | extra | {"stream_options": {"include_usage": True}})
     for chunk in chunks:
         assert_valid(chunk, "CreateChatCompletionStreamResponse")
-    assert (chunks[-1]["choices"], set(chunks[-1]["usage"])) == ([], {"prompt_tokens", "completion_tokens", "total_tokens"})
+    assert (chunks[-1]["choices"], set(chunks[-1]["usage"])) == (
+        [],
+        {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"},
+    )
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": 2}], ids=["plain", "logprobs"])

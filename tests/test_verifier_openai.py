@@ -336,6 +336,8 @@ VERIFIER_COUNTERS = [
     "cut_tokens",
     "native_requests",  # vLLM's own decode loop (--target-route native): 0 here
     "native_aborted",
+    "prompt_tokens",
+    "prefix_hit_tokens",
 ]
 
 

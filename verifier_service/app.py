@@ -18,7 +18,7 @@ from gateway.routes import build_openai_router
 from gateway.security import caller_key_id, is_trusted_caller
 from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
-from verifier_service.kv_budget import KvBudget
+from verifier_service.kv_budget import KvBudget, RetainedKv
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.protocol import (
     WIRE_VERSION,
@@ -73,10 +73,11 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
         logger.exception("loading the target model failed")
         raise
     backend.observe_forwards(app.state.metrics.observe_model_forward)
-    sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings))
-    app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics)
+    retained = backend if isinstance(backend, RetainedKv) else None
+    sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings), retained)
+    app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics, settings.prefix_sharing)
     route = settings.target_only_route()
-    app.state.engine = create_target_engine(backend, route, app.state.metrics)
+    app.state.engine = create_target_engine(backend, route, app.state.metrics, settings.prefix_sharing)
     logger.info("verifier ready: %s (%s backend, target-only route %s)", backend.model.model_id, backend.name, route)
 
 

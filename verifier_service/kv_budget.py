@@ -4,13 +4,15 @@ A session's cache holds, per committed token and per layer, one key and one valu
 KV head: layers x 2 x kv_heads x head_dim x dtype bytes. Qwen2.5-1.5B in fp32: 28 x 2 x 2 x
 128 x 4 = 57,344 bytes (56 KiB) per token, so the old 2,000,000-token cap allowed ~107 GiB.
 The session registry admits a call only when the bytes of every session's cache, this call's
-forward included, stay within the budget: it evicts idle sessions (least recently used) first,
+forward included, stay within the budget: it frees retained prefix caches (``RetainedKv``,
+least recently used first) before any session, then evicts idle sessions (least recently used),
 and answers 429 when even that cannot make room.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -24,6 +26,18 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     element_bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else torch.iinfo(dtype).bits // 8
     return config.num_hidden_layers * 2 * num_kv_heads * head_dim * element_bytes
+
+
+@runtime_checkable
+class RetainedKv(Protocol):
+    """KV a backend keeps beyond its sessions (ended sessions' caches kept as shared prefixes):
+    it counts against the budget, and is the first to go when a call needs room: the registry
+    sets its room (``limit_retained``) whenever the sessions' share changes."""
+
+    @property
+    def num_retained_tokens(self) -> int: ...
+
+    def limit_retained(self, max_tokens: int) -> None: ...
 
 
 @dataclass(frozen=True)

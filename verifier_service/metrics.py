@@ -58,6 +58,16 @@ class VerifierMetrics:
             registry=self.registry,
         )
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
+        self.prompt_tokens = Counter(
+            "spade_verifier_prompt_tokens",
+            "Context tokens of the calls that start a cache (new sessions, resyncs, target-only prompts)",
+            registry=self.registry,
+        )
+        self.prefix_hit_tokens = Counter(
+            "spade_verifier_prefix_hit_tokens",
+            "Of those, tokens a shared cached prefix covered (copied, not prefilled; vLLM: its prefix cache's hits)",
+            registry=self.registry,
+        )
         self.model_forwards = Counter(
             "spade_verifier_model_forwards",
             "Model forwards run (one per forward, however many sessions and calls share it; prefill chunks included)",
@@ -119,6 +129,7 @@ class VerifierMetrics:
         """Every forward pass, whether for a verify call or a target-only step (num_drafted 0)."""
         self.forward_passes.inc()
         self.target_tokens.inc(verdict.num_target_tokens)
+        self.prefix_hit_tokens.inc(verdict.num_cached_tokens)
         self.generated_tokens.inc(verdict.num_accepted + 1)
         self.forward_seconds.observe(verdict.forward_s)
         self.queue_seconds.observe(verdict.queue_s)

@@ -60,6 +60,16 @@ Versions. ``WIRE_VERSION`` numbers this wire; the verifier's ``/health`` carries
 works only with a verifier of its own version (it refuses to start against another, and while
 running answers 503 ``verifier_incompatible``). A change an edge of the current version would
 misread (a field renamed, removed or newly required, a meaning changed) takes the next version.
+``cache_salt`` and ``num_cached_tokens`` came within version 1 without changing what an edge of
+it reads: a salt-less call (all an older edge sends) has the fingerprint it always had, an older
+verifier refuses a salted call (400, unknown field) rather than ignore it, and the verdict's
+``num_cached_tokens`` lies outside its digest.
+
+Prefix caching. Calls that start a session's cache (``prefix_length`` 0) may start it from a
+prefix another session of the same namespace (``cache_salt`` and, by default, API key:
+``verifier_service.prefix_sharing``) has cached; ``num_cached_tokens`` says how many context
+tokens that saved. The verdict is the same either way (bitwise where the verifier is batch
+invariant).
 """
 
 from __future__ import annotations
@@ -71,7 +81,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.engine import LogprobsSupport
 from gateway.model import ModelDescription
-from gateway.protocol import MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
+from gateway.protocol import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import SamplingConfig
 
 WIRE_VERSION = 1
@@ -151,9 +161,18 @@ class VerifyRequest(UnicodeChecked):
         le=MAX_TOP_LOGPROBS,
         description="null (default): no logprobs. N: each emitted token's logprob and its N most likely alternatives.",
     )
+    cache_salt: str | None = Field(
+        default=None,
+        max_length=MAX_CACHE_SALT_LENGTH,
+        description="Only calls with the same salt (within the verifier's --prefix-sharing scope) share cached prompt "
+        "prefixes: the OpenAI request's cache_salt, with the edge's caller folded in.",
+    )
 
     def fingerprint(self) -> str:
-        return hashlib.blake2b(self.model_dump_json().encode(), digest_size=16).hexdigest()
+        """Digest of the call's fields (the salt only when set: a salt-less call's fingerprint
+        is the one wire version 1 always had)."""
+        unset = {"cache_salt"} if self.cache_salt is None else set()
+        return hashlib.blake2b(self.model_dump_json(exclude=unset).encode(), digest_size=16).hexdigest()
 
 
 class VerifyTimings(BaseModel):
@@ -203,6 +222,11 @@ class VerifyResponse(BaseModel):
     )
     timings: VerifyTimings
     replayed: bool = Field(default=False, description="True when this answers a retried call from memory.")
+    num_cached_tokens: int = Field(
+        default=0,
+        description="Context tokens the verifier did not prefill because a shared cached prefix covered them (a call "
+        "that started the session's cache: a new session or a resync); outside the verdict digest.",
+    )
     verdict_digest: str = Field(
         default="",
         description="verdict_digest(request fingerprint, this verdict, context_digest of the committed context after the "
@@ -210,10 +234,11 @@ class VerifyResponse(BaseModel):
     )
 
 
-UNDIGESTED_FIELDS = frozenset({"verdict_digest", "replayed"})
-"""The verdict's fields outside its digest: the digest itself, and ``replayed``, the one field a
-replay changes. ``timings`` are inside: the draft-length policy and the request's stats read
-them, and a replay returns the stored ones unchanged."""
+UNDIGESTED_FIELDS = frozenset({"verdict_digest", "replayed", "num_cached_tokens"})
+"""The verdict's fields outside its digest: the digest itself, ``replayed``, the one field a
+replay changes, and ``num_cached_tokens`` (accounting only, added within wire version 1: an edge
+that predates it digests the verdict without it). ``timings`` are inside: the draft-length
+policy and the request's stats read them, and a replay returns the stored ones unchanged."""
 
 
 def verdict_digest(request_fingerprint: str, verdict: VerifyResponse, context_digest_after: str) -> str:

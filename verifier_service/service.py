@@ -14,6 +14,7 @@ from gateway.engine import check_logprobs_support
 from gateway.errors import InvalidRequestError, SessionConflictError
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
     SessionDeleted,
@@ -50,11 +51,20 @@ class VerifierService:
     own next token, and commits that verdict to the session, so the next call carries only its
     new block. Bad input changes nothing, and a failed call leaves the session as it was."""
 
-    def __init__(self, backend: VerifierBackend, sessions: SessionRegistry, limits: VerifyLimits, metrics: VerifierMetrics) -> None:
+    def __init__(
+        self,
+        backend: VerifierBackend,
+        sessions: SessionRegistry,
+        limits: VerifyLimits,
+        metrics: VerifierMetrics,
+        prefix_sharing: PrefixSharing = "per-key",
+    ) -> None:
+        """``prefix_sharing``: which calls may share cached prefixes (``prefix_sharing``)."""
         self.backend = backend
         self.sessions = sessions
         self.limits = limits
         self.metrics = metrics
+        self.prefix_sharing: PrefixSharing = prefix_sharing
 
     async def verify(self, request: VerifyRequest, owner: str = "") -> VerifyResponse:
         """``owner``: the caller's key id (``gateway.security.key_id``; "" without keys): each
@@ -70,10 +80,11 @@ class VerifierService:
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
             draft_tokens, draft_probs = self._cut_to_advice(session, request.draft_tokens, draft_probs)
+            namespace = prefix_namespace(self.prefix_sharing, owner, request.cache_salt)
             block = BlockToVerify(
-                session.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs
+                session.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs, namespace
             )
-            self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)))
+            self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)), retain=False)
             try:
                 verdict = await self.backend.verify_block(block)
             finally:
@@ -86,6 +97,8 @@ class VerifierService:
             session.commit(committed, committed_digest, fingerprint, response)
             session.advised_draft_length = advice
         self.metrics.observe_verify(len(draft_tokens), verdict, advice)
+        if request.prefix_length == 0:
+            self.metrics.prompt_tokens.inc(len(context))
         self._evict(keep=session.session_id)
         return response
 
@@ -199,6 +212,7 @@ class VerifierService:
             context_length=context_length + verdict.num_accepted + 1,
             num_target_tokens=verdict.num_target_tokens,
             advised_draft_length=advice,
+            num_cached_tokens=verdict.num_cached_tokens,
             timings=VerifyTimings(
                 queue_ms=verdict.queue_s * 1e3,
                 forward_ms=verdict.forward_s * 1e3,
@@ -210,9 +224,10 @@ class VerifierService:
     def _evict(self, keep: str) -> None:
         self._release(self.sessions.evict(keep=keep))
 
-    def _release(self, session_ids: list[str]) -> None:
+    def _release(self, session_ids: list[str], retain: bool = True) -> None:
+        """``retain``: False for sessions evicted to make room (their memory is what is wanted)."""
         for session_id in session_ids:
-            self.backend.release_session(session_id)
+            self.backend.release_session(session_id, retain)
         self.metrics.sessions.set(len(self.sessions))
 
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from gateway.errors import OverloadedError
-from verifier_service.kv_budget import KvBudget
+from verifier_service.kv_budget import KvBudget, RetainedKv
 from verifier_service.protocol import VerifyResponse, context_digest
 
 
@@ -69,9 +69,11 @@ class SessionRegistry:
     least-recently-used eviction by session count, total tokens and idle time; with a KV budget,
     a call reserves the cache its forward will hold, evicting idle sessions or answering 429."""
 
-    def __init__(self, limits: SessionLimits, kv_budget: KvBudget | None = None) -> None:
+    def __init__(self, limits: SessionLimits, kv_budget: KvBudget | None = None, retained: RetainedKv | None = None) -> None:
+        """``retained``: the backend's shared-prefix caches, inside ``kv_budget`` too."""
         self._limits = limits
         self.kv_budget = kv_budget
+        self.retained = retained
         self._sessions: OrderedDict[str, Session] = OrderedDict()
 
     def __len__(self) -> int:
@@ -86,16 +88,19 @@ class SessionRegistry:
         """Bytes the sessions' KV caches hold (or will, for calls in flight)."""
         if self.kv_budget is None:
             return 0
-        return sum(session.num_cached_tokens for session in self._sessions.values()) * self.kv_budget.bytes_per_token
+        retained = 0 if self.retained is None else self.retained.num_retained_tokens
+        return (sum(session.num_cached_tokens for session in self._sessions.values()) + retained) * self.kv_budget.bytes_per_token
 
     def reserve(self, session: Session, num_tokens: int) -> list[str]:
         """Reserve cache room for ``session``'s call feeding ``num_tokens`` in all; evicts idle
         sessions (least recently used first, never one with a call in flight) when needed.
+        Retained prefix caches give way first (a live session is never evicted for them).
         Returns the evicted ids; raises OverloadedError (429) when no room can be made."""
         if self.kv_budget is None:
             return []
         others = [s for s in self._sessions.values() if s is not session]
         held = sum(s.num_cached_tokens for s in others)
+        self._limit_retained(held + num_tokens)
         evicted = []
         for other in others:
             if held + num_tokens <= self.kv_budget.max_tokens:
@@ -133,7 +138,14 @@ class SessionRegistry:
         return session
 
     def remove(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+        removed = self._sessions.pop(session_id, None) is not None
+        self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
+        return removed
+
+    def _limit_retained(self, num_session_tokens: int) -> None:
+        """Retained prefix caches get what the sessions (and the call being admitted) leave."""
+        if self.retained is not None and self.kv_budget is not None:
+            self.retained.limit_retained(self.kv_budget.max_tokens - num_session_tokens)
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Drop expired sessions, then the least recently used beyond the limits (never
@@ -148,6 +160,8 @@ class SessionRegistry:
                 continue
             total_tokens -= len(self._sessions.pop(session_id).token_ids)
             evicted.append(session_id)
+        if evicted:
+            self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
         return evicted
 
     def _is_expired(self, session: Session) -> bool:

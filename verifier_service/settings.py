@@ -100,6 +100,14 @@ class VerifierSettings(ServiceSettings):
             "asked for explicitly where it cannot be met (GPU, bfloat16, vLLM), an error."
         ),
     )
+    prefix_sharing: Literal["per-key", "global", "off"] = Field(
+        "per-key",
+        description=(
+            "Which requests may start from a prompt prefix another request cached (KV reuse across sessions; a hit shows"
+            " in the time to first token): per-key = only requests of one API key (all callers without keys) and one"
+            " cache_salt; global = any requests with the same cache_salt; off = none."
+        ),
+    )
     vllm_block_size: int = Field(32, ge=1, description="--backend vllm: KV block size (CPU attention needs a multiple of 32).")
     vllm_kv_cache_gib: float = Field(1.0, gt=0, description="--backend vllm: KV cache size in GiB (must hold the model's context length).")
     vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field(

@@ -246,3 +246,19 @@ async def test_missing_vllm_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", None)
     with pytest.raises(ImportError, match=r"pip install '\.\[vllm\]'"):
         vllm_backend._import_vllm()
+
+
+async def test_prefix_cache_hits_are_reported_and_kept_within_a_salt(vllm_backend):
+    # vLLM's prefix cache is shared by every request: only blocks of one namespace (cache_salt)
+    # meet; a session's first call reports its hit, in blocks of 32.
+    vocab_size = vllm_backend.model.vocab_size
+    context = random_tokens(random.Random(21), 70, vocab_size)
+
+    async def first_call(session_id: str, namespace: str | None) -> int:
+        verdict = await vllm_backend.verify_block(BlockToVerify(session_id, context, [], None, GREEDY, cache_namespace=namespace))
+        return verdict.num_cached_tokens
+
+    assert await first_call("salted-1", "tenant-1") == 0
+    assert await first_call("salted-2", "tenant-2") == 0
+    assert await first_call("salted-3", "tenant-1") == 64
+    assert await first_call("unshared-1", None) == 0  # --prefix-sharing off: a salt per session

@@ -39,6 +39,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
     else:
         from spade_models.loader import load_model
         from verifier_service.backends.transformers.backend import TransformersBackend
+        from verifier_service.kv_budget import DEFAULT_KV_CACHE_BYTES
 
         loaded = await asyncio.to_thread(load_model, source, settings.device, settings.dtype)
         # In a thread too: the CPU kernels may be compiled here (a C compile, once per machine).
@@ -49,6 +50,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
             served_model_name=settings.served_model_name,
             fast_kernels=settings.fast_kernels,
             batch_invariant=settings.batch_invariance(),
+            max_retained_kv_bytes=None if settings.prefix_sharing == "off" else DEFAULT_KV_CACHE_BYTES,
         )
         transformers_backend.configure(settings.scheduler_limits())
         backend = transformers_backend

@@ -43,6 +43,9 @@ class BlockToVerify:
     num_top_logprobs: int | None = None
     """None: no logprobs wanted (none computed); N: the emitted tokens' logprobs
     (``spade_core.sampling.reported_logprobs``) and N alternatives each."""
+    cache_namespace: str | None = None
+    """Where the backend may share this context's KV with other sessions
+    (``prefix_store.prefix_namespace``: salt and key); None shares nothing."""
 
     @property
     def num_drafted(self) -> int:
@@ -78,6 +81,9 @@ class BlockVerdict:
     """The model call alone (forward_s less the acceptance math); None where not measured."""
     top_logprobs: list[TopLogprobs] | None = None
     """With ``num_top_logprobs``: per emitted token, that many most likely alternatives."""
+    num_cached_tokens: int = 0
+    """Context tokens this call did not feed because another session's KV (a shared prefix) was
+    copied for them: 0 unless the call started a cache (new session, resync, target-only)."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +119,9 @@ class VerifierBackend(abc.ABC):
         """Score the block with one forward pass and apply the acceptance rule."""
 
     @abc.abstractmethod
-    def release_session(self, session_id: str) -> None:
-        """Drop whatever the backend caches for the session (idempotent)."""
+    def release_session(self, session_id: str, retain: bool = True) -> None:
+        """Drop whatever the backend caches for the session (idempotent). ``retain``: the
+        backend may keep its KV as a shared prefix's source (False: the memory is wanted)."""
 
     def observe_forwards(self, observer: ForwardObserver) -> None:  # noqa: B027 -- optional
         """Call ``observer`` after every model forward (the service's metrics); a backend whose

@@ -100,6 +100,7 @@ from verifier_service.backends.vllm_requests import (
     token_prompt,
     top1_entry,
     top_entries,
+    vllm_cache_salt,
     vllm_seed,
 )
 
@@ -190,6 +191,7 @@ class VllmBackend(VerifierBackend):
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         self._check_block(block)
         started = time.perf_counter()
+        is_new_session = block.session_id not in self._known_sessions
         if block.sampling.is_greedy:
             result = await self._verify_greedy(block)
         elif self.exact_route == "sample_match":
@@ -208,9 +210,11 @@ class VllmBackend(VerifierBackend):
             queue_s=queue_s,
             forward_s=elapsed_s - queue_s,
             top_logprobs=result.top_logprobs,
+            # vLLM's prefix-cache hit on a session's first call (later calls hit their own).
+            num_cached_tokens=(result.outputs[0].num_cached_tokens or 0) if is_new_session else 0,
         )
 
-    def release_session(self, session_id: str) -> None:
+    def release_session(self, session_id: str, retain: bool = True) -> None:
         # vLLM's prefix cache is shared and evicts by itself; only forget the session.
         self._known_sessions.discard(session_id)
 
@@ -220,10 +224,10 @@ class VllmBackend(VerifierBackend):
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
 
-    async def generate_tokens(self, prompt_ids: list[int], params: Any) -> Any:
+    async def generate_tokens(self, prompt_ids: list[int], params: Any, cache_salt: str | None = None) -> Any:
         """One vLLM request to completion; returns its final RequestOutput."""
         final = None
-        async for output in self.engine.generate(token_prompt(prompt_ids), params, uuid.uuid4().hex):
+        async for output in self.engine.generate(token_prompt(prompt_ids, cache_salt), params, uuid.uuid4().hex):
             final = output
         if final is None:
             raise RuntimeError("vLLM returned no output")
@@ -247,7 +251,8 @@ class VllmBackend(VerifierBackend):
     async def _verify_greedy(self, block: BlockToVerify) -> RouteResult:
         prompt = block.context_token_ids + block.draft_token_ids
         num_top = block.num_top_logprobs or 0
-        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, max(1, num_top), num_top))
+        salt = vllm_cache_salt(block.cache_namespace, block.session_id)
+        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, max(1, num_top), num_top), salt)
         num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=num_top)
         # (flat logprobs, position) of each row: stale rows refetched, prompt rows, the bonus row.
         rows = [(output.outputs[0].logprobs, 0) for output in fetched]
@@ -269,7 +274,10 @@ class VllmBackend(VerifierBackend):
         count = num_stale_rows(scoring.num_cached_tokens or 0, block.first_draft_position, block.num_drafted)
         prompt = block.context_token_ids + block.draft_token_ids
         params = one_token_params(GREEDY, None, num_logprobs)
-        fetched = await asyncio.gather(*[self.generate_tokens(prompt[: block.first_draft_position + j], params) for j in range(count)])
+        salt = vllm_cache_salt(block.cache_namespace, block.session_id)
+        fetched = await asyncio.gather(
+            *[self.generate_tokens(prompt[: block.first_draft_position + j], params, salt) for j in range(count)]
+        )
         return count, list(fetched)
 
     async def _verify_sample_match(self, block: BlockToVerify) -> RouteResult:
@@ -279,11 +287,12 @@ class VllmBackend(VerifierBackend):
             for j in range(block.num_drafted + 1)
         ]
         outputs = []
+        salt = vllm_cache_salt(block.cache_namespace, block.session_id)
         if block.session_id not in self._known_sessions and block.num_drafted:
             # Cold context: row 0 fills the prefix cache first, or each of the d + 1 requests
             # of one engine step would prefill the whole context.
-            outputs.append(await self.generate_tokens(*requests.pop(0)))
-        outputs += await asyncio.gather(*[self.generate_tokens(*request) for request in requests])
+            outputs.append(await self.generate_tokens(*requests.pop(0), salt))
+        outputs += await asyncio.gather(*[self.generate_tokens(*request, salt) for request in requests])
         samples = [sampled_entry(output) for output in outputs]
         num_accepted = first_mismatch(block.draft_token_ids, samples)
         return RouteResult(samples[: num_accepted + 1], num_accepted == block.num_drafted, outputs)
@@ -306,7 +315,9 @@ class VllmBackend(VerifierBackend):
 
     async def _full_rows(self, block: BlockToVerify) -> tuple[torch.Tensor, list[Any]]:
         prompt = block.context_token_ids + block.draft_token_ids
-        scoring = await self.generate_tokens(prompt, scoring_params(block.num_drafted, -1, -1))
+        scoring = await self.generate_tokens(
+            prompt, scoring_params(block.num_drafted, -1, -1), vllm_cache_salt(block.cache_namespace, block.session_id)
+        )
         num_stale, fetched = await self._fetch_stale_rows(block, scoring, num_logprobs=-1)
         vocab_size = self._description.vocab_size
         rows = [dense_row(output.outputs[0].logprobs, 0, vocab_size) for output in fetched]

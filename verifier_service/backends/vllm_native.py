@@ -6,7 +6,8 @@ running requests, no per-token request).
 What the request carries to vLLM: the prompt's token ids, temperature / top-k / top-p, the
 request's seed (vLLM's per-request generator, not our per-position draws: a sampled answer
 differs from the verify-steps route's, drawn from the same distribution), max_tokens, the
-model's end tokens as stop tokens, and logprobs. Stop strings stay with the gateway
+model's end tokens as stop tokens, logprobs, and the cache salt of the request's prefix-sharing
+namespace (``verifier_service.prefix_sharing``, as verify calls carry it). Stop strings stay with the gateway
 (``gateway.serving``), which detokenizes: when it stops, or when the client goes, it closes the
 stream and closing vLLM's stream aborts the request in vLLM (``AsyncLLM.generate``).
 
@@ -33,8 +34,9 @@ from gateway.errors import InvalidRequestError, ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from verifier_service.backends.vllm_backend import VllmBackend
-from verifier_service.backends.vllm_requests import engine_queue_seconds, flat_entries, token_prompt, top_entries
+from verifier_service.backends.vllm_requests import engine_queue_seconds, flat_entries, token_prompt, top_entries, vllm_cache_salt
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 
 
 def native_params(request: GenerationRequest) -> Any:
@@ -80,12 +82,15 @@ class NativeTally:
     num_generated: int = 0
     num_prompt_computed: int = 0
     """Prompt tokens vLLM prefilled (not served by its prefix cache)."""
+    num_prompt_cached: int = 0
+    """Prompt tokens vLLM's prefix cache served."""
     queue_s: float = 0.0
     is_finished: bool = False
 
     def add(self, output: Any) -> None:
         self.num_generated += len(output.outputs[0].token_ids)
-        self.num_prompt_computed = len(output.prompt_token_ids) - (output.num_cached_tokens or 0)
+        self.num_prompt_cached = output.num_cached_tokens or 0
+        self.num_prompt_computed = len(output.prompt_token_ids) - self.num_prompt_cached
         self.queue_s = engine_queue_seconds([output])
         self.is_finished = output.finished
 
@@ -99,9 +104,10 @@ class NativeTally:
 class VllmNativeEngine:
     """The ``GenerationEngine`` of the native route, on the vLLM backend's engine."""
 
-    def __init__(self, backend: VllmBackend, metrics: VerifierMetrics) -> None:
+    def __init__(self, backend: VllmBackend, metrics: VerifierMetrics, prefix_sharing: PrefixSharing = "per-key") -> None:
         self._backend = backend
         self._metrics = metrics
+        self._prefix_sharing: PrefixSharing = prefix_sharing
         # vLLM's logprobs are raw: exact for greedy requests only, whatever the exact route.
         self._description = replace(backend.model, logprobs_support="greedy")
 
@@ -117,7 +123,11 @@ class VllmNativeEngine:
         if request.max_tokens < 1:
             return
         tally = NativeTally(time.perf_counter())
-        outputs = self._backend.engine.generate(token_prompt(request.prompt_token_ids), native_params(request), request.request_id)
+        namespace = prefix_namespace(self._prefix_sharing, request.cache_owner, request.cache_salt)
+        salt = vllm_cache_salt(namespace, request.request_id)
+        prompt = token_prompt(request.prompt_token_ids, salt)
+        self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+        outputs = self._backend.engine.generate(prompt, native_params(request), request.request_id)
         stream = _openai_errors(outputs)
         try:
             async with contextlib.aclosing(stream):  # closing it early aborts the request in vLLM
@@ -136,6 +146,8 @@ class VllmNativeEngine:
         stats.verify_calls += tally.num_generated
         stats.target_tokens += tally.num_target_tokens
         stats.verifier_forward_ms += (elapsed_s - queue_s) * 1e3
+        stats.verifier_cached_tokens += tally.num_prompt_cached
+        self._metrics.prefix_hit_tokens.inc(tally.num_prompt_cached)
         self._metrics.observe_native_request(tally.num_target_tokens, tally.num_generated, queue_s, is_aborted=not tally.is_finished)
 
 

@@ -6,6 +6,7 @@ Nothing here imports vLLM at module level: the parameter builders import it when
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,14 +97,28 @@ def num_stale_rows(num_cached: int, context_length: int, num_drafted: int) -> in
     return max(0, min(num_drafted, num_cached - context_length + 1))
 
 
-def token_prompt(prompt_ids: list[int]) -> Any:
+def token_prompt(prompt_ids: list[int], cache_salt: str | None = None) -> Any:
+    """vLLM's input for ``prompt_ids``; ``cache_salt``: only requests with the same salt share
+    prefix-cache blocks (vLLM's ``cache_salt``)."""
     try:
         from vllm.inputs import tokens_input  # a pre-rendered engine input (newer vLLM)
     except ImportError:
         from vllm.inputs import TokensPrompt
 
-        return TokensPrompt(prompt_token_ids=prompt_ids)
-    return tokens_input(prompt_ids)
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+    return tokens_input(prompt_ids, cache_salt=cache_salt)
+
+
+def vllm_cache_salt(cache_namespace: str | None, session_id: str) -> str:
+    """The ``cache_salt`` of a block's vLLM requests: its prefix-sharing namespace; a call that
+    shares nothing (None: ``--prefix-sharing off``) gets its session's own salt, so it still
+    reuses its own earlier calls' prefix (each verify call is a new vLLM request), nobody else's."""
+    if cache_namespace is not None:
+        return cache_namespace
+    return json.dumps(["session", session_id, ""])  # 3 parts: never a (key, salt) namespace
 
 
 def one_token_params(sampling: SamplingConfig, seed: int | None, num_logprobs: int, num_prompt_logprobs: int | None = None) -> Any:

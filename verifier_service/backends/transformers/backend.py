@@ -24,9 +24,10 @@ from gateway.model import ModelDescription
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, VerifierBackend
 from verifier_service.backends.cpu_kernels import BatchInvariance, prepare_cpu_kernels
+from verifier_service.backends.transformers.prefix_store import PrefixStore
 from verifier_service.backends.transformers.runner import ModelRunner
 from verifier_service.backends.transformers.scheduler import Scheduler, SchedulerLimits
-from verifier_service.kv_budget import kv_bytes_per_token
+from verifier_service.kv_budget import DEFAULT_KV_CACHE_BYTES, kv_bytes_per_token
 
 
 class TransformersBackend(VerifierBackend):
@@ -46,9 +47,13 @@ class TransformersBackend(VerifierBackend):
         served_model_name: str | None = None,
         fast_kernels: bool = False,
         batch_invariant: bool | BatchInvariance = False,
+        max_retained_kv_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
     ) -> None:
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
-        model is patched in place, and the target-only route runs the same patched model)."""
+        model is patched in place, and the target-only route runs the same patched model).
+        ``max_retained_kv_bytes``: KV of ended sessions kept as shared prefixes (the session
+        registry's KV budget sets it as its room changes, ``limit_retained``); None: no prefix store,
+        nothing shared (calls' ``cache_namespace`` is ignored)."""
         self._tokenizer = loaded.tokenizer
         self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
         native_context_length: int = getattr(loaded.model.config, "max_position_embeddings", 4096)
@@ -62,7 +67,8 @@ class TransformersBackend(VerifierBackend):
         self._config = loaded.model.config
         self._dtype = loaded.model.dtype
         is_invariant = self.cpu_kernels is not None and self.cpu_kernels.mode == "batch_invariant"
-        self._runner = ModelRunner(loaded.model, torch.device(loaded.device), batch_invariant=is_invariant)
+        store = None if max_retained_kv_bytes is None else PrefixStore(max_retained_kv_bytes // self.kv_bytes_per_token)
+        self._runner = ModelRunner(loaded.model, torch.device(loaded.device), batch_invariant=is_invariant, prefix_store=store)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
         self._scheduler = Scheduler(self._runner, self._executor, SchedulerLimits(max_batch_sessions=1))
 
@@ -96,11 +102,24 @@ class TransformersBackend(VerifierBackend):
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         return await self._scheduler.submit(block, time.perf_counter())
 
-    def release_session(self, session_id: str) -> None:
+    def release_session(self, session_id: str, retain: bool = True) -> None:
         """Free the session's cache after any forward already submitted for it (same worker
-        thread); with a call of the session still waiting, once that call is done with."""
+        thread); with a call of the session still waiting, once that call is done with. With
+        ``retain`` (and a prefix store) the cache stays a shared prefix's source while memory
+        allows; a session evicted to make room is released with ``retain=False``."""
         if not self._scheduler.forget_session(session_id):
-            self._executor.submit(self._runner.release, session_id)
+            self._executor.submit(self._runner.release, session_id, retain)
+
+    @property
+    def num_retained_tokens(self) -> int:
+        """Tokens of ended sessions' caches kept as shared prefixes (part of the KV budget)."""
+        return 0 if self._runner.prefixes is None else self._runner.prefixes.num_retained_tokens
+
+    def limit_retained(self, max_tokens: int) -> None:
+        """Retain at most ``max_tokens`` from now on, freeing the least recently used beyond
+        at once (a copy in flight keeps its source alive until it is done)."""
+        if self._runner.prefixes is not None:
+            self._runner.prefixes.limit(max_tokens)
 
     async def aclose(self) -> None:
         await self._scheduler.aclose()

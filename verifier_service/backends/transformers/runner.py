@@ -8,6 +8,12 @@ allowance. A call whose uncached context exceeds the allowance is prefilled a ch
 the call is answered by the forward that feeds its last context token and its drafted block
 (the block's d + 1 scored rows). Caches stay per session and grow in place (``ragged``).
 
+Shared prefixes (``prefix_store``, ``prefix_cache``): a call whose session has no cache yet (a
+new session, a resync, a target-only request) starts from a copy of the longest prefix of its
+context another cache in its namespace holds, before anything in the forward changes a cache;
+every cache is published once a forward leaves it (its committed context), and an ended
+session's cache is retained as a source until memory is wanted.
+
 Every change to a cache runs on the backend's one worker thread (no lock); the scheduler only
 reads them (``cached_length``) between forwards. Acceptance and logprobs (``_conclude``) follow
 each answered call's forward.
@@ -16,7 +22,7 @@ each answered call's forward.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +32,8 @@ from spade_core.sampling import emitted_logprobs, position_uniforms, processed_p
 from spade_models.kv_cache import TokenCache
 from verifier_service.backends.base import BlockToVerify, ForwardRecord
 from verifier_service.backends.growing_cache import growing_cache
+from verifier_service.backends.transformers.prefix_cache import PrefixCache
+from verifier_service.backends.transformers.prefix_store import PrefixStore
 from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
 
 
@@ -49,6 +57,8 @@ class ShareResult:
     acceptance: Acceptance | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    num_cached_tokens: int = 0
+    """Context tokens copied from a shared prefix when this forward started the call's cache."""
 
 
 @dataclass
@@ -63,31 +73,41 @@ class FedRows:
 class ModelRunner:
     """The target model, the sessions' caches, and the ragged forward over several sessions."""
 
-    def __init__(self, model, device: torch.device, *, batch_invariant: bool) -> None:
+    def __init__(self, model, device: torch.device, *, batch_invariant: bool, prefix_store: PrefixStore | None = None) -> None:
+        """``prefix_store``: share prefixes between sessions through it; None shares nothing."""
         register_ragged_attention()
         self.model = model
         self.device = device
         self.batch_invariant = batch_invariant
         self._caches: dict[str, TokenCache] = {}
+        self.prefixes = None if prefix_store is None else PrefixCache(prefix_store, self._new_cache)
 
     @property
     def num_cached_sessions(self) -> int:
         return len(self._caches)
 
-    def release(self, session_id: str) -> None:
-        self._caches.pop(session_id, None)
+    def release(self, session_id: str, retain: bool = True) -> None:
+        """Drop the session's cache; with ``retain`` it may stay a shared prefix's source."""
+        entry = self._caches.pop(session_id, None)
+        if self.prefixes is not None:
+            self.prefixes.end(session_id, entry, retain)
 
     def clear(self) -> None:
         self._caches.clear()
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     def cached_length(self, block: BlockToVerify) -> int:
         """Context tokens the session's cache can keep for this call (read by the scheduler on
         the event loop: an estimate, exact unless a forward changes the cache meanwhile)."""
         entry = self._caches.get(block.session_id)
-        return 0 if entry is None else entry.reusable_length(block.context_token_ids)
+        if entry is None:
+            return 0 if self.prefixes is None else self.prefixes.hit_length(block)
+        return entry.reusable_length(block.context_token_ids)
 
     def run(self, shares: list[Share]) -> tuple[list[ShareResult], ForwardRecord]:
         """One forward over every share's rows; then acceptance for the calls it answers."""
+        num_seeded = self._seed(shares)
         entries = [self._take_cache(share.block.session_id) for share in shares]
         fed = [rows_to_feed(entry, share) for entry, share in zip(entries, shares, strict=True)]
         started = time.perf_counter()
@@ -95,8 +115,24 @@ class ModelRunner:
         record = ForwardRecord(len(shares), sum(len(rows.token_ids) for rows in fed), time.perf_counter() - started)
         results = []
         for entry, share, rows, share_logits in zip(entries, shares, fed, logits, strict=True):
-            results.append(self._conclude(entry, share, rows, share_logits))
+            result = self._conclude(entry, share, rows, share_logits)
+            results.append(replace(result, num_cached_tokens=num_seeded.get(share.block.session_id, 0)))
         return results, record
+
+    def _seed(self, shares: list[Share]) -> dict[str, int]:
+        """Start the cache of every share's session that has none from its longest shared
+        prefix (before any cache of this forward changes); per seeded session, the tokens copied."""
+        num_seeded: dict[str, int] = {}
+        if self.prefixes is None:
+            return num_seeded
+        for share in shares:
+            session_id = share.block.session_id
+            if session_id in self._caches:
+                continue
+            seeded = self.prefixes.seeded(share.block, self._caches)
+            if seeded is not None:
+                self._caches[session_id], num_seeded[session_id] = seeded
+        return num_seeded
 
     def _take_cache(self, session_id: str) -> TokenCache:
         """The session's cache, out of the table while its forward runs (put back by ``_keep``)."""
@@ -135,6 +171,7 @@ class ModelRunner:
             # Kept even for a released session: its next chunk continues from it (the answering
             # forward frees it; the scheduler frees it if the caller leaves first).
             self._caches[block.session_id] = entry
+            self._publish(block, entry)
             return ShareResult(len(rows.token_ids))
         acceptance = accept(block, logits, self.device)
         entry.token_ids = block.context_token_ids + block.draft_token_ids
@@ -145,8 +182,17 @@ class ModelRunner:
         return ShareResult(len(rows.token_ids), acceptance, logprobs, top_logprobs)
 
     def _keep(self, entry: TokenCache, share: Share) -> None:
+        """The answered call's cache goes back to its session; a released session's may be
+        retained as a shared prefix's source."""
         if share.keep_cache:
             self._caches[share.block.session_id] = entry
+            self._publish(share.block, entry)
+        elif self.prefixes is not None and share.block.cache_namespace is not None:
+            self.prefixes.keep(entry, share.block.cache_namespace)
+
+    def _publish(self, block: BlockToVerify, entry: TokenCache) -> None:
+        if self.prefixes is not None:
+            self.prefixes.publish(block.session_id, block.cache_namespace, entry)
 
 
 def rows_to_feed(entry: TokenCache, share: Share) -> FedRows:

@@ -96,6 +96,8 @@ class PendingCall:
     """False once the session was released while this call waited: answered, no cache kept."""
     rows_fed: int = 0
     """Rows its earlier prefill chunks fed."""
+    num_cached_tokens: int = 0
+    """Context tokens copied from a shared prefix instead of fed (``runner``'s prefix cache)."""
 
 
 def plan_forward(
@@ -268,6 +270,7 @@ class Scheduler:
         answered = []
         for call, result in zip(calls, results, strict=True):
             call.rows_fed += result.num_rows
+            call.num_cached_tokens += result.num_cached_tokens
             if result.acceptance is None:
                 continue
             self._queue.remove(call)
@@ -368,6 +371,7 @@ def verdict_of(call: PendingCall, result: ShareResult, record: ForwardRecord, st
         num_batched=record.num_sessions,
         model_s=record.model_s,
         top_logprobs=result.top_logprobs,
+        num_cached_tokens=call.num_cached_tokens,
     )
 
 
