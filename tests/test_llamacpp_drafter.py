@@ -28,7 +28,10 @@ def draft(small_gguf):
 
 @pytest.fixture(scope="module")
 def drafter(draft):
-    return LlamaCppDrafter(draft, 1024, threads=1, max_sessions=4)
+    """Prefix reuse off: these tests count what each session decodes itself, and compare logits
+    bitwise with a fresh context's (a prefix decoded in another batch differs in the last bits:
+    llama.cpp's CPU kernels are not batch-invariant). Reuse: tests/test_llamacpp_prefixes.py."""
+    return LlamaCppDrafter(draft, 1024, threads=1, max_sessions=4, max_retained=0)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +203,7 @@ def test_no_token_at_or_beyond_the_vocab_limit_is_drafted(draft, prompts, refere
 
 
 def test_sessions_are_bounded_and_close_frees_their_cache_and_their_slot(draft, prompts):
-    bounded = LlamaCppDrafter(draft, 256, threads=1, max_sessions=2)
+    bounded = LlamaCppDrafter(draft, 256, threads=1, max_sessions=2, max_retained=0)
     try:
         first, second = bounded.start_session(), bounded.start_session()
         with pytest.raises(OverloadedError, match="all 2 llama.cpp draft sessions are in use"):
