@@ -35,6 +35,13 @@ def prefix_owner(cache_owner: str = "", cache_salt: str | None = None) -> str:
     return f"{cache_owner}|{cache_salt or ''}"
 
 
+def request_prefix_owner(request: object) -> str:
+    """The owner of a ``gateway.engine.GenerationRequest``: its ``cache_owner`` (the caller's API
+    key id) and ``cache_salt``, which the gateway sets with the verifier's prefix store (read
+    with defaults, so a request without them is owned by "|": every such request shares)."""
+    return prefix_owner(getattr(request, "cache_owner", ""), getattr(request, "cache_salt", None))
+
+
 @dataclass(frozen=True)
 class PrefixMatch(Generic[Key]):
     source: Key

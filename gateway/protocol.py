@@ -276,6 +276,9 @@ class SpadeStats(BaseModel):
     shorter when its forwards follow each other); None for target-only decoding."""
     advice_capped_blocks: int = 0
     """Blocks drafted shorter than the draft-length policy chose, to follow the verifier's advice."""
+    draft_cached_tokens: int = 0
+    """Context tokens the edge's draft did not decode: it copied their KV from another request's
+    sequence (same API key and salt) holding the same prefix. 0 for target-only decoding."""
 
 
 class Usage(BaseModel):
