@@ -25,9 +25,11 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from edge_agent.draft_prefixes import PrefixMatch, Retained, RetainedPrefixes, longest_prefix
 from spade_core.params import SamplingConfig
@@ -98,6 +100,8 @@ class ModelDrafter:
 
     def __post_init__(self) -> None:
         self.cache_argument = cache_argument_name(self.loaded.model)
+        if not has_copyable_cache(self.loaded.model):
+            self.max_retained_tokens = 0  # a sliding-window or linear-attention layer: no prefix to copy
 
     @property
     def num_retained_tokens(self) -> int:
@@ -155,11 +159,19 @@ class ModelDrafter:
         return longest_prefix(context, live + self._retained.candidates(session.owner))
 
 
+def has_copyable_cache(model) -> bool:
+    """Whether every layer of the model's cache holds all positions' keys and values (a plain
+    DynamicLayer), so that a prefix of it is a slice."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
 def copy_prefix(source: TokenCache, length: int, model) -> TokenCache:
-    """A new cache holding the first ``length`` positions of ``source`` (its KV rows copied)."""
+    """A new cache holding the first ``length`` positions of ``source`` (its KV rows copied;
+    ``has_copyable_cache`` says the layers are DynamicLayers)."""
     copied = TokenCache.empty(model)
-    for layer_index, layer in enumerate(source.cache.layers):
-        copied.cache.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), layer_index)
+    for layer_index, layer in enumerate(cast(list[DynamicLayer], source.cache.layers)):
+        keys, values = cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)
+        copied.cache.update(keys[:, :, :length].clone(), values[:, :, :length].clone(), layer_index)
     copied.token_ids = source.token_ids[:length]
     return copied
 

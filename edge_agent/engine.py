@@ -36,8 +36,8 @@ from edge_agent.accounting import (
     record_verified_block,
 )
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
-from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.draft_length import DraftLengthPolicy
+from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.generation import Generation, draft_length
 from edge_agent.metrics import EdgeMetrics

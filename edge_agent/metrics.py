@@ -72,7 +72,7 @@ class EdgeMetrics:
         )
         self.draft_prefix_hit_tokens = Counter(
             "spade_edge_draft_prefix_hit_tokens",
-            "Context tokens the draft copied from another request's cached prefix instead of decoding them (hit rate: / draft_prompt_tokens)",
+            "Context tokens the draft copied from another request's cached prefix, not decoded (hit rate: / draft_prompt_tokens)",
             registry=r,
         )
         self.draft_seconds = Histogram(
