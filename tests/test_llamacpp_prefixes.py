@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from edge_agent.llamacpp_drafter import LlamaCppDrafter, load_llamacpp_draft
+from llamacpp_support import Reference
 from spade_core.params import SamplingConfig
 from spade_models.loader import ModelSource
-from test_llamacpp_drafter import Reference
 
 GREEDY = SamplingConfig(temperature=0)
 SYSTEM = "You are a careful assistant. Answer briefly, cite sources, and never guess. " * 6
