@@ -23,6 +23,17 @@ def record_request_ended(metrics: EdgeMetrics) -> None:
     metrics.active_requests.dec()
 
 
+def record_draft_prefix_reuse(metrics: EdgeMetrics, generation: Generation) -> None:
+    """How much of its context the request's draft took from other requests' cached prefixes
+    (counted once, at the end; nothing when the draft never ran)."""
+    if not generation.is_draft_prefilled:
+        return
+    num_cached = generation.draft_session.num_cached_tokens
+    generation.stats.draft_cached_tokens = num_cached
+    metrics.draft_prompt_tokens.inc(len(generation.request.prompt_token_ids))
+    metrics.draft_prefix_hit_tokens.inc(num_cached)
+
+
 def record_drafted_ahead(metrics: EdgeMetrics, generation: Generation, num_tokens: int, seconds: float) -> None:
     """Tokens drafted while a verify call was in flight (or finished after its verdict)."""
     metrics.draft_ahead_tokens.inc(num_tokens)

@@ -12,15 +12,26 @@ drafted token as one-hot). Otherwise each token is sampled from the draft model'
 after the request's transform, truncated to the ``max_support`` most likely tokens and
 renormalised; that truncated distribution is exactly what the token was sampled from, and it is
 sent along, which keeps verification exact.
+
+Prefix reuse (``edge_agent.draft_prefixes``): a session whose context shares a longer prefix with
+another sequence of its owner (a live session's cache, or a finished one's, retained up to
+``max_retained_tokens`` tokens, least recently used out first) than with its own cache starts from
+a copy of that prefix's KV rows and feeds only the rest. Copies, not shared tensors: a cache grows
+in place, so two sessions must never hold one.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from edge_agent.draft_prefixes import PrefixMatch, Retained, RetainedPrefixes, longest_prefix
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms, processed_probs, sample_from, truncate_to_top_n
 from spade_models.kv_cache import TokenCache, cache_argument_name
@@ -45,9 +56,17 @@ class DraftSession(Protocol):
 
     def close(self) -> None: ...
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Context tokens taken from another sequence's cache instead of fed (prefix reuse)."""
+        ...
+
 
 class Drafter(Protocol):
-    def start_session(self) -> DraftSession: ...
+    def start_session(self, prefix_owner: str = "") -> DraftSession:
+        """A session for one request; it reuses prefixes only of sessions with the same
+        ``prefix_owner`` (``draft_prefixes.prefix_owner``: the API key and cache_salt)."""
+        ...
 
     def close(self) -> None:
         """Free what the drafter holds; the engine calls it once, at shutdown."""
@@ -70,43 +89,123 @@ class ModelDrafter:
 
     loaded: LoadedModel
     limits: DraftLimits = DraftLimits()
+    max_retained_tokens: int = 4096
+    """Tokens of finished sessions' caches kept as prefixes (0: no prefix reuse at all)."""
     cache_argument: str = field(init=False)
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    """One proposal at a time: a proposal may copy another session's cache."""
+    _live: dict[int, ModelDraftSession] = field(init=False, repr=False, default_factory=dict)
+    _retained: RetainedPrefixes[int, TokenCache] = field(init=False, repr=False, default_factory=RetainedPrefixes)
+    _session_ids: itertools.count = field(init=False, repr=False, default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         self.cache_argument = cache_argument_name(self.loaded.model)
+        if not has_copyable_cache(self.loaded.model):
+            self.max_retained_tokens = 0  # a sliding-window or linear-attention layer: no prefix to copy
 
-    def start_session(self) -> ModelDraftSession:
-        return ModelDraftSession(self)
+    @property
+    def num_retained_tokens(self) -> int:
+        return self._retained.num_tokens
+
+    def start_session(self, prefix_owner: str = "") -> ModelDraftSession:
+        with self._lock:
+            session = ModelDraftSession(self, next(self._session_ids), prefix_owner)
+            self._live[session.session_id] = session
+            return session
 
     def close(self) -> None:
-        """Nothing to free: each session's cache goes with the session."""
+        """Drop the retained caches (each live session's cache goes with the session)."""
+        with self._lock:
+            self._retained = RetainedPrefixes()
+
+    def _release(self, session: ModelDraftSession) -> None:
+        """Retain the session's cache as a prefix (the most recently used), within the bound."""
+        with self._lock:
+            self._live.pop(session.session_id, None)
+            entry, session.entry = session.entry, None
+            if entry is None or not entry.token_ids or len(entry.token_ids) > self.max_retained_tokens:
+                return
+            self._retained.add(session.session_id, Retained(session.owner, entry.token_ids, entry))
+            while self._retained.num_tokens > self.max_retained_tokens:
+                self._retained.pop_least_recent()
+
+    def _start_entry(self, session: ModelDraftSession, context: list[int]) -> TokenCache:
+        """The session's cache for ``context``: its own, or a copy of a longer prefix that
+        another session of its owner holds."""
+        entry = session.entry if session.entry is not None else TokenCache.empty(self.loaded.model)
+        match = self._longest_shared_prefix(session, context) if self.max_retained_tokens else None
+        if match is None or match.length <= entry.reusable_length(context):
+            return entry
+        session.num_cached_tokens += match.length
+        return copy_prefix(self._source_cache(match.source), match.length, self.loaded.model)
+
+    def _source_cache(self, key: int) -> TokenCache:
+        """The cache a prefix is copied from; a retained one becomes the most recently used."""
+        retained = self._retained.entries.get(key)
+        if retained is not None:
+            self._retained.touch(key)
+            return retained.held
+        entry = self._live[key].entry
+        if entry is None:
+            raise RuntimeError(f"draft session {key} offered a prefix but holds no cache")
+        return entry
+
+    def _longest_shared_prefix(self, session: ModelDraftSession, context: list[int]) -> PrefixMatch[int] | None:
+        live = [
+            (other_id, other.entry.token_ids)
+            for other_id, other in self._live.items()
+            if other is not session and other.owner == session.owner and other.entry is not None
+        ]
+        return longest_prefix(context, live + self._retained.candidates(session.owner))
 
 
-@dataclass
+def has_copyable_cache(model) -> bool:
+    """Whether every layer of the model's cache holds all positions' keys and values (a plain
+    DynamicLayer), so that a prefix of it is a slice."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+def copy_prefix(source: TokenCache, length: int, model) -> TokenCache:
+    """A new cache holding the first ``length`` positions of ``source`` (its KV rows copied;
+    ``has_copyable_cache`` says the layers are DynamicLayers)."""
+    copied = TokenCache.empty(model)
+    for layer_index, layer in enumerate(cast(list[DynamicLayer], source.cache.layers)):
+        keys, values = cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)
+        copied.cache.update(keys[:, :, :length].clone(), values[:, :, :length].clone(), layer_index)
+    copied.token_ids = source.token_ids[:length]
+    return copied
+
+
+@dataclass(eq=False)
 class ModelDraftSession:
-    drafter: ModelDrafter
+    drafter: ModelDrafter = field(repr=False)
+    session_id: int = 0
+    owner: str = ""
+    """The isolation key: prefixes are shared only between sessions of one owner."""
     entry: TokenCache | None = None
+    num_cached_tokens: int = 0
+    """Context tokens copied from another session's cache instead of fed (prefix reuse)."""
 
     def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
         """``num_tokens`` drafted tokens following ``context`` (one forward per token)."""
-        if self.entry is None:
-            self.entry = TokenCache.empty(self.drafter.loaded.model)
-        entry = self.entry
-        pending = entry.reuse_for(context)
-        uniforms = position_uniforms(sampling.seed, len(context), num_tokens, stream=DRAFT_STREAM)
-        token_ids: list[int] = []
-        distributions: list[SparseDistribution] = []
-        for index in range(num_tokens):
-            logits = self._forward(entry, pending)
-            token_id, distribution = self._choose(logits, sampling, float(uniforms[index, 0]))
-            token_ids.append(token_id)
-            if distribution is not None:
-                distributions.append(distribution)
-            pending = [token_id]
-        return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
+        with self.drafter._lock:
+            entry = self.entry = self.drafter._start_entry(self, context)
+            pending = entry.reuse_for(context)
+            uniforms = position_uniforms(sampling.seed, len(context), num_tokens, stream=DRAFT_STREAM)
+            token_ids: list[int] = []
+            distributions: list[SparseDistribution] = []
+            for index in range(num_tokens):
+                logits = self._forward(entry, pending)
+                token_id, distribution = self._choose(logits, sampling, float(uniforms[index, 0]))
+                token_ids.append(token_id)
+                if distribution is not None:
+                    distributions.append(distribution)
+                pending = [token_id]
+            return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
 
     def close(self) -> None:
-        self.entry = None
+        """Hand the cache to the drafter's retained prefixes (idempotent)."""
+        self.drafter._release(self)
 
     def _forward(self, entry: TokenCache, input_ids: list[int]) -> torch.Tensor:
         model = self.drafter.loaded.model

@@ -27,6 +27,7 @@ from typing import Any
 from edge_agent.accounting import (
     record_advice_cap,
     record_delivered,
+    record_draft_prefix_reuse,
     record_drafted_ahead,
     record_overlap,
     record_request_ended,
@@ -36,6 +37,7 @@ from edge_agent.accounting import (
 )
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
 from edge_agent.draft_length import DraftLengthPolicy
+from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.generation import Generation, draft_length
 from edge_agent.metrics import EdgeMetrics
@@ -126,7 +128,7 @@ class SpeculativeEngine:
         generation = Generation(
             request,
             stats,
-            draft_session=self._drafter.start_session(),
+            draft_session=self._drafter.start_session(request_prefix_owner(request)),
             verifier_session=self._client.open_session(wire_cache_salt(request.cache_owner, request.cache_salt)),
             policy=self._options.draft_length_policy.for_request(),
             context=list(request.prompt_token_ids),
@@ -140,6 +142,7 @@ class SpeculativeEngine:
         the verifier session."""
         generation.drop_ahead()
         record_request_ended(self._metrics)
+        record_draft_prefix_reuse(self._metrics, generation)
         self._close_draft_session(generation.draft_session)
         generation.verifier_session.close()
 

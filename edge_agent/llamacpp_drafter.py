@@ -21,8 +21,16 @@ The mask keeps sessions apart exactly: one session's logits are bitwise the same
 another's tokens in the pool (SmolLM2, one thread; the tests check it). The figures, and the
 cost per drafted token against transformers: docs/benchmarks.md, "Component measurements".
 Bounds: at most ``max_sessions`` sessions at once (a further ``start_session`` is refused with
-OverloadedError, HTTP 429); when a decode would not fit the free cells, the other sessions'
-caches are dropped (each re-feeds its context on its next proposal).
+OverloadedError, HTTP 429); when a decode would not fit the free cells, the retained prefixes go
+first (least recently used first), then the other sessions' caches (each re-feeds its context,
+or copies a prefix again, on its next proposal).
+
+Prefix reuse (``edge_agent.draft_prefixes``): a proposal whose context shares a longer prefix
+with another sequence of the same owner (a live session's, or a finished one retained, up to
+``max_retained``) than with its own cache starts from a copy of that prefix
+(``llama_memory_seq_cp``: the cells are shared, not copied) and decodes only the rest. Sharing is
+counted exactly against the bound: a cell held by k sequences counts once, and dropping one
+sequence frees only the cells no other holds.
 
 ``n_ctx`` is the target's maximum context (the verifier's /health), which every context +
 block the engine drafts for fits in. Threads: ``threads`` for both single-token and batch
@@ -45,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_agent.draft_prefixes import CellLedger, PrefixMatch, Retained, RetainedPrefixes, longest_prefix
 from edge_agent.drafter import DRAFT_STREAM, DraftBlock, DraftLimits, sample_draft_token
 from gateway.errors import InvalidRequestError, OverloadedError
 from spade_core.params import SamplingConfig
@@ -153,21 +162,29 @@ class LlamaCppDrafter:
         threads: int | None = None,
         max_sessions: int = 16,
         limits: DraftLimits = DraftLimits(),
+        max_retained: int | None = None,
     ) -> None:
-        if n_ctx < 1 or max_sessions < 1:
-            raise ValueError(f"n_ctx and max_sessions must be positive, got {n_ctx} and {max_sessions}")
+        """``max_retained``: finished sequences kept as prefixes (default ``max_sessions``; 0
+        turns prefix reuse off)."""
+        retained_bound = max_sessions if max_retained is None else max_retained
+        if n_ctx < 1 or max_sessions < 1 or retained_bound < 0:
+            raise ValueError(f"n_ctx and max_sessions must be positive and max_retained >= 0, got {n_ctx}, {max_sessions}, {max_retained}")
         llama_cpp = _bindings()
         self.draft = draft
         self.limits = limits
         self.threads = threads or default_threads()
         self.max_sessions = max_sessions
-        self._context = llama_cpp.LlamaContext(draft.model, _context_params(llama_cpp, n_ctx, self.threads, max_sessions))
+        self.max_retained = retained_bound
+        num_seq_ids = max_sessions + retained_bound
+        self._context = llama_cpp.LlamaContext(draft.model, _context_params(llama_cpp, n_ctx, self.threads, num_seq_ids))
         self._batch = llama_cpp.LlamaBatch(n_tokens=MAX_BATCH_TOKENS, embd=0, n_seq_max=1)
         self._greedy = _greedy_sampler(llama_cpp, draft.vocab_size, limits.vocab_limit)
         # One decode at a time: the context, its batch and its last logits are shared.
         self._lock = threading.Lock()
-        self._free_seq_ids = list(range(max_sessions - 1, -1, -1))
+        self._free_seq_ids = list(range(num_seq_ids - 1, -1, -1))
         self._sessions: dict[int, LlamaCppDraftSession] = {}
+        self._retained: RetainedPrefixes[int, None] = RetainedPrefixes()
+        self._cells = CellLedger()
         self._is_closed = False
         self.num_decoded_tokens = 0
         """Tokens fed to llama.cpp so far, all sessions together (prefills and drafted tokens)."""
@@ -182,13 +199,27 @@ class LlamaCppDrafter:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def start_session(self) -> LlamaCppDraftSession:
+    @property
+    def num_retained(self) -> int:
+        """Finished sequences kept as prefixes."""
+        return len(self._retained)
+
+    @property
+    def num_used_cells(self) -> int:
+        """KV cells occupied, live and retained sequences together, a shared cell counted once."""
+        return self._cells.num_used
+
+    def start_session(self, prefix_owner: str = "") -> LlamaCppDraftSession:
+        """A session for one request; it shares prefixes only with sequences of the same
+        ``prefix_owner`` (``draft_prefixes.prefix_owner``: API key and cache_salt)."""
         with self._lock:
             if self._is_closed:
                 raise RuntimeError("the llama.cpp drafter is closed")
-            if not self._free_seq_ids:
+            if len(self._sessions) >= self.max_sessions:
                 raise OverloadedError(f"all {self.max_sessions} llama.cpp draft sessions are in use; retry shortly")
-            session = LlamaCppDraftSession(self, self._free_seq_ids.pop())
+            if not self._free_seq_ids:
+                self._drop_least_recent_retained()
+            session = LlamaCppDraftSession(self, self._free_seq_ids.pop(), owner=prefix_owner)
             self._sessions[session.seq_id] = session
             return session
 
@@ -198,6 +229,7 @@ class LlamaCppDrafter:
             if not self._is_closed:
                 self._is_closed = True
                 self._context.close()
+                self._retained, self._cells = RetainedPrefixes(), CellLedger()
 
     # --- what sessions call -------------------------------------------------------------------
 
@@ -226,13 +258,19 @@ class LlamaCppDrafter:
             return self._context.memory_seq_pos_max(session.seq_id) + 1 if self._is_live(session) else 0
 
     def _release(self, session: LlamaCppDraftSession) -> None:
+        """The session's slot is free at once; its cells stay as a retained prefix (the most
+        recently used) while reuse is on, else they are freed with its sequence id."""
         with self._lock:
             if self._sessions.get(session.seq_id) is not session:
                 return
-            if not self._is_closed:
-                self._remove_from(session, 0)
             del self._sessions[session.seq_id]
-            self._free_seq_ids.append(session.seq_id)
+            token_ids, session.cached_token_ids = session.cached_token_ids, []
+            if self._is_closed or not token_ids or self.max_retained == 0:
+                self._free_sequence(session.seq_id)
+                return
+            self._retained.add(session.seq_id, Retained(session.owner, token_ids, None))
+            if len(self._retained) > self.max_retained:
+                self._drop_least_recent_retained()
 
     # --- the shared context (called with the lock held) ----------------------------------------
 
@@ -247,15 +285,51 @@ class LlamaCppDrafter:
 
     def _reuse_prefix(self, session: LlamaCppDraftSession, context: list[int]) -> list[int]:
         """Roll the session back to the longest prefix it shares with ``context``, short of the
-        last context token (whose logits start the block); return the tokens left to feed."""
+        last context token (whose logits start the block), or replace its cache by a longer
+        prefix another sequence of its owner holds; return the tokens left to feed."""
         keep = min(common_prefix_length(session.cached_token_ids, context), len(context) - 1)
+        match = self._longest_shared_prefix(session, context) if self.max_retained else None
+        if match is not None and match.length > keep:
+            self._copy_prefix(match, session, context)
+            return context[match.length :]
         if keep < len(session.cached_token_ids):
             self._remove_from(session, keep)
         return context[keep:]
 
+    def _longest_shared_prefix(self, session: LlamaCppDraftSession, context: list[int]) -> PrefixMatch[int] | None:
+        live = [
+            (seq_id, other.cached_token_ids)
+            for seq_id, other in self._sessions.items()
+            if other is not session and other.owner == session.owner
+        ]
+        return longest_prefix(context, live + self._retained.candidates(session.owner))
+
+    def _copy_prefix(self, match: PrefixMatch[int], session: LlamaCppDraftSession, context: list[int]) -> None:
+        """The session's cache becomes the source's first ``match.length`` cells, shared."""
+        self._remove_from(session, 0)
+        self._context.memory_seq_cp(match.source, session.seq_id, 0, match.length)
+        self._cells.share(match.source, session.seq_id, match.length)
+        session.cached_token_ids = context[: match.length]
+        session.num_cached_tokens += match.length
+        if match.source in self._retained.entries:
+            self._retained.touch(match.source)
+
     def _remove_from(self, session: LlamaCppDraftSession, position: int) -> None:
         self._context.memory_seq_rm(session.seq_id, position, -1)
+        self._cells.truncate(session.seq_id, position)
         session.cached_token_ids = session.cached_token_ids[:position]
+
+    def _free_sequence(self, seq_id: int) -> None:
+        """Free a sequence no session uses any more: its cells (those no other holds) and its id."""
+        if not self._is_closed:
+            self._context.memory_seq_rm(seq_id, 0, -1)
+        self._cells.truncate(seq_id, 0)
+        self._free_seq_ids.append(seq_id)
+
+    def _drop_least_recent_retained(self) -> None:
+        dropped = self._retained.pop_least_recent()
+        if dropped is not None:
+            self._free_sequence(dropped[0])
 
     def _feed(self, session: LlamaCppDraftSession, token_ids: list[int]) -> None:
         """Decode ``token_ids`` after the session's cache, with logits for the last one only."""
@@ -273,11 +347,15 @@ class LlamaCppDrafter:
                 self._context.memory_seq_rm(session.seq_id, first_position, -1)  # a partly decoded chunk
                 raise
             session.cached_token_ids = session.cached_token_ids + chunk
+            self._cells.append(session.seq_id, len(chunk))
             self.num_decoded_tokens += len(chunk)
 
     def _make_room(self, session: LlamaCppDraftSession, num_new: int) -> None:
-        """Drop the other sessions' caches when the pool cannot hold ``num_new`` more tokens."""
-        used = sum(len(other.cached_token_ids) for other in self._sessions.values())
+        """When the pool cannot hold ``num_new`` more cells: drop retained prefixes, least
+        recently used first, until it can; then, if still short, the other sessions' caches."""
+        while self._cells.num_used + num_new > self.n_ctx and len(self._retained):
+            self._drop_least_recent_retained()
+        used = self._cells.num_used
         if used + num_new <= self.n_ctx:
             return
         evicted = [other for other in self._sessions.values() if other is not session and other.cached_token_ids]
@@ -330,8 +408,12 @@ class LlamaCppDraftSession:
 
     drafter: LlamaCppDrafter = field(repr=False)
     seq_id: int
+    owner: str = ""
+    """The isolation key: prefixes are shared only between sequences of one owner."""
     cached_token_ids: list[int] = field(default_factory=list)
     """The tokens whose KV the sequence holds, at positions 0, 1, ..."""
+    num_cached_tokens: int = 0
+    """Context tokens taken from another sequence's cells instead of decoded (prefix reuse)."""
 
     def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
         """``num_tokens`` drafted tokens following ``context`` (one decode per token, after

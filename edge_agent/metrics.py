@@ -81,6 +81,14 @@ class EdgeMetrics:
             "Blocks drafted shorter than the draft-length policy chose, to follow the verifier's advice",
             registry=r,
         )
+        self.draft_prompt_tokens = Counter(
+            "spade_edge_draft_prompt_tokens", "Prompt tokens of the requests the draft model drafted for", registry=r
+        )
+        self.draft_prefix_hit_tokens = Counter(
+            "spade_edge_draft_prefix_hit_tokens",
+            "Context tokens the draft copied from another request's cached prefix, not decoded (hit rate: / draft_prompt_tokens)",
+            registry=r,
+        )
         self.draft_seconds = Histogram(
             "spade_edge_draft_seconds",
             "Waiting for drafting per block (drafting hidden under a verify call excluded)",

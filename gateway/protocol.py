@@ -288,6 +288,9 @@ class SpadeStats(BaseModel):
     verifier_cached_tokens: int = 0
     """Prompt tokens the verifier did not prefill: a cached prefix (another request's, same
     salt and key) covered them. Also ``usage.prompt_tokens_details.cached_tokens``."""
+    draft_cached_tokens: int = 0
+    """Context tokens the edge's draft did not decode: it copied their KV from another request's
+    sequence (same API key and salt) holding the same prefix. 0 for target-only decoding."""
 
 
 class PromptTokensDetails(BaseModel):

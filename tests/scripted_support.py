@@ -44,7 +44,10 @@ class ScriptedDrafter:
     proposals: list[tuple[int, int]] = field(default_factory=list)
     """(context length, tokens asked) of every proposal."""
 
-    def start_session(self) -> ScriptedDrafter:
+    num_cached_tokens: int = 0
+    """No prefix reuse here (the draft's reuse: tests/test_drafter_prefixes.py)."""
+
+    def start_session(self, prefix_owner: str = "") -> ScriptedDrafter:
         return self
 
     def propose(self, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:

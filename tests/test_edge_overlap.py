@@ -164,7 +164,7 @@ class CountingDrafter(ScriptedDrafter):
 
     drafter_closes: int = 0
 
-    def start_session(self) -> ScriptedDrafter:
+    def start_session(self, prefix_owner: str = "") -> ScriptedDrafter:
         return ScriptedDrafter(self.proposals)
 
     def close(self) -> None:

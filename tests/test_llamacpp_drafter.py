@@ -13,6 +13,7 @@ from edge_agent.draft_backend import LLAMACPP, TRANSFORMERS, choose_draft_backen
 from edge_agent.drafter import DraftLimits
 from edge_agent.llamacpp_drafter import LlamaCppDrafter, default_threads, load_llamacpp_draft
 from gateway.errors import InvalidRequestError, OverloadedError
+from llamacpp_support import Reference
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms, processed_probs, sample_from, truncate_to_top_n
 from spade_models.loader import ModelSource
@@ -28,47 +29,15 @@ def draft(small_gguf):
 
 @pytest.fixture(scope="module")
 def drafter(draft):
-    return LlamaCppDrafter(draft, 1024, threads=1, max_sessions=4)
+    """Prefix reuse off: these tests count what each session decodes itself, and compare logits
+    bitwise with a fresh context's (a prefix decoded in another batch differs in the last bits:
+    llama.cpp's CPU kernels are not batch-invariant). Reuse: tests/test_llamacpp_prefixes.py."""
+    return LlamaCppDrafter(draft, 1024, threads=1, max_sessions=4, max_retained=0)
 
 
 @pytest.fixture(scope="module")
 def prompts(draft) -> list[list[int]]:
     return [draft.tokenizer(text).input_ids for text in PROMPTS]
-
-
-class Reference:
-    """llama.cpp's own decoding in a fresh context per call, straight through the binding."""
-
-    def __init__(self, draft) -> None:
-        import cyllama.llama.llama_cpp as llama_cpp
-
-        self._llama_cpp = llama_cpp
-        self._model = draft.model
-
-    def logits_after(self, token_ids: list[int]) -> np.ndarray:
-        context = self._context()
-        self._decode(context, token_ids, 0)
-        return np.array(context.get_logits_ith(-1), dtype=np.float32)
-
-    def greedy(self, token_ids: list[int], num_tokens: int) -> list[int]:
-        context = self._context()
-        self._decode(context, token_ids, 0)
-        drafted = []
-        for _ in range(num_tokens):
-            drafted.append(int(np.argmax(np.array(context.get_logits_ith(-1), dtype=np.float32))))
-            self._decode(context, drafted[-1:], len(token_ids) + len(drafted) - 1)
-        return drafted
-
-    def _context(self):
-        params = self._llama_cpp.LlamaContextParams()
-        params.n_ctx, params.n_threads, params.n_threads_batch = 512, 1, 1
-        return self._llama_cpp.LlamaContext(self._model, params)
-
-    def _decode(self, context, token_ids: list[int], first_position: int) -> None:
-        batch = self._llama_cpp.LlamaBatch(n_tokens=len(token_ids), embd=0, n_seq_max=1)
-        for offset, token_id in enumerate(token_ids):
-            batch.add(token_id, first_position + offset, [0], offset == len(token_ids) - 1)
-        context.decode(batch)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +169,7 @@ def test_no_token_at_or_beyond_the_vocab_limit_is_drafted(draft, prompts, refere
 
 
 def test_sessions_are_bounded_and_close_frees_their_cache_and_their_slot(draft, prompts):
-    bounded = LlamaCppDrafter(draft, 256, threads=1, max_sessions=2)
+    bounded = LlamaCppDrafter(draft, 256, threads=1, max_sessions=2, max_retained=0)
     try:
         first, second = bounded.start_session(), bounded.start_session()
         with pytest.raises(OverloadedError, match="all 2 llama.cpp draft sessions are in use"):
