@@ -133,7 +133,7 @@ class SpeculativeEngine:
             request,
             stats,
             draft_session=self._drafter.start_session(),
-            verifier_session=self._client.open_session(),
+            verifier_session=self._client.open_session(request.prefix_key),
             policy=self._options.draft_length_policy.for_request(),
             ahead_policy=self._options.draft_ahead_policy.for_request(),
             context=list(request.prompt_token_ids),

@@ -33,6 +33,10 @@ class GenerationRequest:
     num_top_logprobs: int | None = None
     """None: no logprobs wanted (nothing computed). N >= 0: each token's logprob and its N most
     likely alternatives (``spade_core.sampling.reported_logprobs``)."""
+    prefix_key: str | None = None
+    """What the prompt shares with other requests, as a digest (``gateway.affinity``): an edge
+    sends it with its verify calls so that a pool of verifier replicas routes requests that
+    share a prefix to the same replica. None: route by session."""
 
 
 @dataclass(frozen=True)

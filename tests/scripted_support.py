@@ -72,7 +72,7 @@ class ScriptedVerifier:
     """(context, block, accepted, next token) of every answered call."""
     cancelled: list[int] = field(default_factory=list)
 
-    def open_session(self) -> ScriptedVerifier:
+    def open_session(self, route_key: str | None = None) -> ScriptedVerifier:
         return self
 
     async def verify(
