@@ -37,7 +37,24 @@ def record_draft_prefix_reuse(metrics: EdgeMetrics, generation: Generation) -> N
 def record_drafted_ahead(metrics: EdgeMetrics, generation: Generation, num_tokens: int, seconds: float) -> None:
     """Tokens drafted while a verify call was in flight (or finished after its verdict)."""
     metrics.draft_ahead_tokens.inc(num_tokens)
+    generation.stats.draft_ahead_tokens += num_tokens
     generation.stats.draft_ahead_ms += seconds * 1e3
+
+
+def record_ahead_outcome(metrics: EdgeMetrics, generation: Generation, num_confirmed: int, num_discarded: int) -> None:
+    """What became of the tokens drafted past a block: ``num_confirmed`` the committed context
+    ran through (the guess, on a hit: used), ``num_discarded`` thrown away; the rest start the
+    next block (counted with it, as accepted or rejected)."""
+    generation.stats.used_draft_tokens += num_confirmed
+    generation.stats.discarded_ahead_tokens += num_discarded
+    metrics.used_draft_tokens.inc(num_confirmed)
+    metrics.discarded_ahead_tokens.inc(num_discarded)
+
+
+def record_ahead_skipped(metrics: EdgeMetrics, generation: Generation) -> None:
+    """A verify call under which drafting ahead was not worth its CPU (``--edge-power``)."""
+    generation.stats.skipped_ahead_blocks += 1
+    metrics.skipped_ahead_blocks.inc()
 
 
 def record_overlap(metrics: EdgeMetrics, generation: Generation, is_hit: bool) -> None:
@@ -64,13 +81,25 @@ def record_verified_block(
     num_drafted = len(block.token_ids)
     if call is None:
         generation.stats.fallback_tokens += num_drafted
+        generation.stats.used_draft_tokens += num_drafted  # served unverified: used all the same
+        metrics.used_draft_tokens.inc(num_drafted)
         generation.stats.draft_ms += drafting.exposed_s * 1e3
         metrics.fallback_tokens.inc(num_drafted)
         return
     count_call(generation.stats, call, num_drafted, drafting)
     metrics.observe_call(call, num_drafted, drafting.exposed_s)
-    generation.policy.observe(block_outcome(call, num_drafted, drafting))
+    outcome = block_outcome(call, num_drafted, drafting)
+    generation.policy.observe(outcome)
+    teach_ahead_policy(generation, outcome)
     record_advice(metrics, generation, call.verdict.advised_draft_length)
+
+
+def teach_ahead_policy(generation: Generation, outcome: BlockOutcome) -> None:
+    """The drafting-ahead policy learns the request's acceptance, the draft's speed and the
+    round trip of a block (a call that also prefilled context is no block's round trip)."""
+    generation.ahead_policy.observe_block(outcome.num_drafted, outcome.num_accepted)
+    round_trip_s = outcome.round_trip_s if outcome.is_block_only and outcome.num_drafted > 0 else None
+    generation.ahead_policy.shared.observe_times(outcome.draft_s_per_token, round_trip_s)
 
 
 def record_advice(metrics: EdgeMetrics, generation: Generation, advice: int) -> None:
@@ -96,6 +125,8 @@ def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: 
     stats.verify_calls += 1
     stats.drafted_tokens += num_drafted
     stats.accepted_tokens += verdict.num_accepted
+    stats.used_draft_tokens += verdict.num_accepted
+    stats.rejected_draft_tokens += num_drafted - verdict.num_accepted
     stats.target_tokens += verdict.num_target_tokens
     stats.resyncs += int(call.resynced)
     stats.draft_ms += drafting.exposed_s * 1e3

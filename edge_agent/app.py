@@ -78,6 +78,7 @@ async def build_engine(
     )
     options = EngineOptions(
         policy,
+        settings.draft_ahead_policy(),
         fallback_to_draft=settings.fallback == "draft",
         overlap=settings.overlap,
         prefill_first=settings.prefill_first,

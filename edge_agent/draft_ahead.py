@@ -86,6 +86,19 @@ class DraftAhead:
         sequence = self.sequence
         return len(self.follows) < len(context) <= len(sequence) and sequence[: len(context)] == context
 
+    def accepts_whole_block(self, context: list[int]) -> bool:
+        """Whether the committed ``context`` took the whole block (so its next token tried the guess)."""
+        return len(context) > len(self.follows) and context[: len(self.follows)] == self.follows
+
+    def num_confirmed(self, context: list[int]) -> int:
+        """Drafted-ahead tokens the committed ``context`` runs through itself (the guess, on a hit)."""
+        return len(context) - len(self.follows) if self.is_continued_by(context) else 0
+
+    @property
+    def num_drafted(self) -> int:
+        """Tokens drafted ahead, the forward still running counted (its CPU is spent or being spent)."""
+        return len(self.token_ids) + (self.pending is not None)
+
     def continuation_of(self, context: list[int], max_tokens: int) -> DraftBlock:
         """Up to ``max_tokens`` drafted tokens that follow ``context``; empty on a miss."""
         if not self.is_continued_by(context):

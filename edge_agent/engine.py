@@ -26,6 +26,8 @@ from typing import Any
 
 from edge_agent.accounting import (
     record_advice_cap,
+    record_ahead_outcome,
+    record_ahead_skipped,
     record_delivered,
     record_draft_prefix_reuse,
     record_drafted_ahead,
@@ -39,9 +41,11 @@ from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_block
 from edge_agent.draft_length import DraftLengthPolicy
 from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
+from edge_agent.edge_power import DraftAheadPolicy
 from edge_agent.generation import Generation, draft_length
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifyCall, wire_cache_salt
+from gateway.affinity import route_key
 from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
@@ -64,6 +68,9 @@ class EngineOptions:
 
     draft_length_policy: DraftLengthPolicy
     """Chooses each block's length (service-wide; each request gets its own ``for_request()``)."""
+    draft_ahead_policy: DraftAheadPolicy = field(default_factory=lambda: DraftAheadPolicy("performance"))
+    """How far to draft ahead under a verify call (``--edge-power``; each request gets its own
+    ``for_request()``); it changes when the edge drafts, never what it outputs."""
     fallback_to_draft: bool = field(default=False, kw_only=True)
     """With the verifier unreachable, serve the draft's block unverified instead of failing."""
     overlap: bool = field(default=False, kw_only=True)
@@ -125,12 +132,14 @@ class SpeculativeEngine:
             self._finish(generation)
 
     def _start(self, request: GenerationRequest, stats: SpadeStats) -> Generation:
+        cache_salt = wire_cache_salt(request.cache_owner, request.cache_salt)
         generation = Generation(
             request,
             stats,
             draft_session=self._drafter.start_session(request_prefix_owner(request)),
-            verifier_session=self._client.open_session(wire_cache_salt(request.cache_owner, request.cache_salt)),
+            verifier_session=self._client.open_session(cache_salt, route_key(request.prefix_key, cache_salt)),
             policy=self._options.draft_length_policy.for_request(),
+            ahead_policy=self._options.draft_ahead_policy.for_request(),
             context=list(request.prompt_token_ids),
             sends_prompt_only=self._options.prefill_first,
         )
@@ -140,7 +149,7 @@ class SpeculativeEngine:
     def _finish(self, generation: Generation) -> None:
         """Whatever ended the loop (EOS, budget, the consumer gone): free the draft cache and
         the verifier session."""
-        generation.drop_ahead()
+        record_ahead_outcome(self._metrics, generation, 0, generation.drop_ahead())
         record_request_ended(self._metrics)
         record_draft_prefix_reuse(self._metrics, generation)
         self._close_draft_session(generation.draft_session)
@@ -176,7 +185,10 @@ class SpeculativeEngine:
             return
         added, seconds = await ahead.settle()
         record_drafted_ahead(self._metrics, generation, len(added.token_ids), seconds)
-        record_overlap(self._metrics, generation, ahead.is_continued_by(generation.context))
+        is_hit = ahead.is_continued_by(generation.context)
+        record_overlap(self._metrics, generation, is_hit)
+        if ahead.token_ids and ahead.accepts_whole_block(generation.context):
+            generation.ahead_policy.shared.observe_guess(is_hit)
 
     async def _complete_block(self, generation: Generation, num_drafted: int) -> tuple[DraftBlock, Drafting]:
         """What was drafted ahead for this context, completed by drafting now. A request's first
@@ -184,6 +196,10 @@ class SpeculativeEngine:
         model over the prompt: no measure of drafting per token (t_draft)."""
         ahead, context, is_first_block = generation.ahead, generation.context, not generation.is_draft_prefilled
         reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
+        if ahead is not None:
+            num_confirmed = ahead.num_confirmed(context)
+            record_ahead_outcome(self._metrics, generation, num_confirmed, len(ahead.token_ids) - num_confirmed - len(reused.token_ids))
+            generation.ahead = None  # counted once: what is left of it starts the block below
         per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids and not is_first_block else None
         if len(reused.token_ids) == num_drafted:
             return reused, Drafting(0.0, per_token_s)
@@ -207,6 +223,10 @@ class SpeculativeEngine:
         the drafting thread cannot be interrupted mid-forward, and the verdict need not wait.
         The generation's ``ahead`` is what was drafted (discarded with it if the request ends)."""
         ahead_limit = self._ahead_limit(generation, len(block.token_ids))
+        worth_limit = generation.ahead_policy.ahead_limit(len(block.token_ids), ahead_limit, not generation.is_draft_prefilled)
+        if worth_limit < ahead_limit:
+            record_ahead_skipped(self._metrics, generation)
+        ahead_limit = worth_limit
         verifying = asyncio.ensure_future(self._verify(generation, block))
         ahead = generation.ahead = DraftAhead(generation.context + block.token_ids, [], None, 0.0)
         try:
@@ -259,7 +279,10 @@ class SpeculativeEngine:
         """The call's tokens join the context; returns those to deliver. The call is recorded
         (stats, metrics, the policy's lesson) here, once."""
         record_verified_block(self._metrics, generation, block, call, drafting)
-        delivered = generation.commit(committed_tokens(block, call))
+        committed = committed_tokens(block, call)
+        if not committed:  # the prompt-only call fell back to the draft: nothing drafted ahead follows
+            record_ahead_outcome(self._metrics, generation, 0, generation.drop_ahead())
+        delivered = generation.commit(committed)
         record_delivered(self._metrics, delivered)
         return delivered
 

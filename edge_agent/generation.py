@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from edge_agent.draft_ahead import DraftAhead
 from edge_agent.draft_length import FixedDraftLength, RequestDraftLength
 from edge_agent.drafter import DraftSession
+from edge_agent.edge_power import RequestDraftAhead
 from edge_agent.verifier_client import VerifierSession
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
@@ -40,6 +41,8 @@ class Generation:
     verifier_session: VerifierSession
     policy: FixedDraftLength | RequestDraftLength
     """The request's draft-length policy: ``next_length()`` before a block, ``observe`` after."""
+    ahead_policy: RequestDraftAhead
+    """How far the request drafts ahead under a verify call (``--edge-power``): ``ahead_limit``."""
     context: list[int]
     """The prompt and every committed token."""
     sends_prompt_only: bool = False
@@ -81,11 +84,15 @@ class Generation:
         self.has_ended = delivered[-1] in self.request.eos_token_ids
         return delivered
 
-    def drop_ahead(self) -> None:
-        """Give up what was drafted ahead (a proposal still running finishes on the drafting thread)."""
+    def drop_ahead(self) -> int:
+        """Give up what was drafted ahead (a proposal still running finishes on the drafting
+        thread); returns how many drafted tokens that throws away, the running one included."""
+        num_discarded = 0
         if self.ahead is not None:
+            num_discarded = self.ahead.num_drafted
             self.ahead.discard()
         self.ahead = None
+        return num_discarded
 
 
 def num_delivered(committed: list[int], num_left: int, eos_token_ids: frozenset[int]) -> int:

@@ -62,6 +62,24 @@ class EdgeMetrics:
             registry=r,
         )
         self.draft_ahead_tokens = Counter("spade_edge_draft_ahead_tokens", "Tokens drafted while a verify call was in flight", registry=r)
+        self.used_draft_tokens = Counter(
+            "spade_edge_used_draft_tokens",
+            "Drafted tokens that served: accepted, or a drafted-ahead guess of the target's next token that the verdict confirmed",
+            registry=r,
+        )
+        self.rejected_draft_tokens = Counter(
+            "spade_edge_rejected_draft_tokens", "Drafted tokens sent for verification and rejected", registry=r
+        )
+        self.discarded_ahead_tokens = Counter(
+            "spade_edge_discarded_ahead_tokens",
+            "Tokens drafted ahead and never sent (the verdict missed the guess, or the request ended)",
+            registry=r,
+        )
+        self.skipped_ahead_blocks = Counter(
+            "spade_edge_skipped_ahead_blocks",
+            "Verify calls under which the edge did not draft ahead: not worth its CPU under --edge-power",
+            registry=r,
+        )
         self.bytes_sent = Counter("spade_edge_bytes_sent", "Request bytes sent to the verifier", registry=r)
         self.bytes_received = Counter("spade_edge_bytes_received", "Response bytes received from the verifier", registry=r)
         self.draft_lengths = Histogram(
@@ -115,6 +133,8 @@ class EdgeMetrics:
         self.rejected_answers.inc(call.rejected_answers)
         self.drafted_tokens.inc(num_drafted)
         self.accepted_tokens.inc(call.verdict.num_accepted)
+        self.used_draft_tokens.inc(call.verdict.num_accepted)
+        self.rejected_draft_tokens.inc(num_drafted - call.verdict.num_accepted)
         self.bytes_sent.inc(call.bytes_sent)
         self.bytes_received.inc(call.bytes_received)
         self.draft_lengths.observe(num_drafted)

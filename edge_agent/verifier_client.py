@@ -46,6 +46,10 @@ RETRYABLE_STATUSES = {429, 502, 503, 504}
 SESSION_HEADER = "X-Spade-Session"
 """The session id again, as a header: a proxy in front of several verifier replicas pins each
 session to one of them without reading the body (docker/nginx/verifier-pool.conf)."""
+ROUTE_HEADER = "X-Spade-Route"
+"""The request's prefix key (``gateway.affinity``), on every call of its session: the pool's
+proxy hashes it, when present, instead of the session id, so requests that share a prefix (a
+chat's turns, the users of one system prompt) meet the replica that holds it."""
 
 
 class VerifierProtocolError(GatewayError):
@@ -187,28 +191,29 @@ class VerifierClient:
             logger.info("waiting for verifier at %s: %s", self.base_url, reason)
             await asyncio.sleep(1.0)
 
-    def open_session(self, cache_salt: str | None = None) -> VerifierSession:
-        """``cache_salt``: the verify calls' (``wire_cache_salt``)."""
-        return VerifierSession(self, f"edge-{uuid.uuid4().hex}", cache_salt=cache_salt)
+    def open_session(self, cache_salt: str | None = None, route_key: str | None = None) -> VerifierSession:
+        """A new session. ``cache_salt``: its verify calls' (``wire_cache_salt``); ``route_key``: the
+        request's prefix key (``gateway.affinity.route_key``), on its every call."""
+        return VerifierSession(self, f"edge-{uuid.uuid4().hex}", cache_salt=cache_salt, route_key=route_key)
 
-    def end_session_soon(self, session_id: str) -> None:
+    def end_session_soon(self, session: VerifierSession) -> None:
         """DELETE the session in the background: a finishing (or cancelled) request must not wait."""
-        task = asyncio.get_running_loop().create_task(self._end_session(session_id))
+        task = asyncio.get_running_loop().create_task(self._end_session(session))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _end_session(self, session_id: str) -> None:
+    async def _end_session(self, session: VerifierSession) -> None:
         try:
-            await self._http.delete(f"/v1/sessions/{session_id}", headers={SESSION_HEADER: session_id})
+            await self._http.delete(f"/v1/sessions/{session.session_id}", headers=session.routing_headers)
         except httpx.HTTPError as error:  # the verifier's TTL frees it anyway
-            logger.debug("ending session %s failed: %s", session_id, error)
+            logger.debug("ending session %s failed: %s", session.session_id, error)
 
-    async def post_verify(self, request: VerifyRequest) -> tuple[httpx.Response, int]:
+    async def post_verify(self, request: VerifyRequest, routing_headers: dict[str, str] | None = None) -> tuple[httpx.Response, int]:
         """POST with retries of lost calls and retryable statuses; returns (response, bytes sent)."""
         if not self.is_reachable:
             raise ServiceUnavailableError(f"the verifier at {self.base_url} is unreachable (retrying shortly)", code="verifier_unavailable")
         body = request.model_dump_json(exclude_none=True).encode()
-        headers = {"content-type": "application/json", SESSION_HEADER: request.session_id}
+        headers = {"content-type": "application/json", SESSION_HEADER: request.session_id} | (routing_headers or {})
         for attempt in range(self.settings.retries + 1):
             try:
                 response = await self._http.post("/v1/verify", content=body, headers=headers)
@@ -244,6 +249,14 @@ class VerifierSession:
     the next call's prefix_digest, so each call hashes the context once, not twice."""
     cache_salt: str | None = None
     """Sent with every call: the verifier shares cached prefixes only among calls with the same."""
+    route_key: str | None = None
+    """The request's prefix key (``ROUTE_HEADER``); None: the pool routes by the session id."""
+
+    @property
+    def routing_headers(self) -> dict[str, str]:
+        """What a proxy in front of verifier replicas routes this session's calls by."""
+        headers = {SESSION_HEADER: self.session_id}
+        return headers | ({ROUTE_HEADER: self.route_key} if self.route_key else {})
 
     async def verify(
         self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
@@ -296,7 +309,7 @@ class VerifierSession:
         fingerprint = request.fingerprint()
         failure = UntrustedAnswerError("no answer")
         for attempt in range(self.client.settings.retries + 1):
-            response, bytes_sent = await self.client.post_verify(request)
+            response, bytes_sent = await self.client.post_verify(request, self.routing_headers)
             traffic.add(bytes_sent, len(response.content))
             try:
                 return checked_verdict(response, request, fingerprint, context)
@@ -310,7 +323,7 @@ class VerifierSession:
 
     def close(self) -> None:
         if self.has_called:
-            self.client.end_session_soon(self.session_id)
+            self.client.end_session_soon(self)
 
     def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None) -> VerifyRequest:
         known = self.verifier_length

@@ -37,6 +37,10 @@ class GenerationRequest:
     """The request's ``cache_salt``: only requests with the same one share cached prefixes."""
     cache_owner: str = ""
     """The caller's API key id ("" without keys): prefixes are shared per key by default."""
+    prefix_key: str | None = None
+    """What the prompt shares with other requests, as a digest (``gateway.affinity``): an edge
+    sends it with its verify calls so that a pool of verifier replicas routes requests that
+    share a prefix to the same replica. None: route by session."""
 
 
 @dataclass(frozen=True)

@@ -291,6 +291,19 @@ class SpadeStats(BaseModel):
     draft_cached_tokens: int = 0
     """Context tokens the edge's draft did not decode: it copied their KV from another request's
     sequence (same API key and salt) holding the same prefix. 0 for target-only decoding."""
+    draft_ahead_tokens: int = 0
+    """Tokens drafted while verify calls were in flight (the forward running at the end included)."""
+    used_draft_tokens: int = 0
+    """Drafted tokens that served: accepted by the target, or a drafted-ahead guess of the target's
+    next token that the verdict confirmed. Every drafted token is exactly one of used, rejected
+    or discarded ahead; each divided by ``completion_tokens`` is that share per generated token."""
+    rejected_draft_tokens: int = 0
+    """Drafted tokens sent for verification and rejected."""
+    discarded_ahead_tokens: int = 0
+    """Tokens drafted ahead and never sent: the verdict missed the guess, or the request ended."""
+    skipped_ahead_blocks: int = 0
+    """Verify calls under which the edge did not draft ahead because it was not worth its CPU
+    (``--edge-power``)."""
 
 
 class PromptTokensDetails(BaseModel):

@@ -15,11 +15,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jinja2 import TemplateError
 
 from gateway import chunks
+from gateway.affinity import chat_prefix_key, prompt_prefix_key
 from gateway.engine import GeneratedTokens, GenerationEngine, GenerationRequest, TopLogprobs, check_logprobs_support
 from gateway.errors import InvalidRequestError, ModelNotFoundError, error_body, log_failure
 from gateway.lifecycle import Drain, until_expired
@@ -78,7 +79,8 @@ def prepare_chat(engine: GenerationEngine, request: ChatCompletionRequest, limit
         prompt_ids = chat_prompt_ids(engine.tokenizer, messages)
     except TemplateError as error:  # the template rejecting these messages (raise_exception); anything else is ours: 500
         raise InvalidRequestError(f"the chat template rejected the messages: {error}", param="messages") from error
-    return _prepare(engine, request, "chat", "chat.completion.chunk", prompt_ids, limits)
+    prepared = _prepare(engine, request, "chat", "chat.completion.chunk", prompt_ids, limits)
+    return replace(prepared, generation=replace(prepared.generation, prefix_key=chat_prefix_key(messages)))
 
 
 def prepare_completion(engine: GenerationEngine, request: CompletionRequest, limits: RequestLimits = RequestLimits()) -> PreparedRequest:
@@ -92,7 +94,8 @@ def prepare_completion(engine: GenerationEngine, request: CompletionRequest, lim
         vocab_size = engine.model.vocab_size
         if any(not 0 <= token_id < vocab_size for token_id in prompt_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-    return _prepare(engine, request, "completion", "text_completion", prompt_ids, limits)
+    prepared = _prepare(engine, request, "completion", "text_completion", prompt_ids, limits)
+    return replace(prepared, generation=replace(prepared.generation, prefix_key=prompt_prefix_key(prompt_ids)))
 
 
 def check_common(engine: GenerationEngine, request: ChatCompletionRequest | CompletionRequest) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gateway.cli import add_version_argument, plain_text
-from spade_bench.config import DRAFT_BACKENDS, MODES, BenchConfig, ModelPair, NetworkSweep, Placement
+from spade_bench.config import DRAFT_BACKENDS, EDGE_POWERS, MODES, BenchConfig, ModelPair, NetworkSweep, Placement
 from spade_bench.data import DataSelection, load_items
 
 BENCH_EXTRA_MODULES = ("matplotlib", "rouge_score")
@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_on_off_list,
         default=BenchConfig.overlaps,
         help="comma list of on/off: the edge drafts the next block while one is verified (default on)",
+    )
+    parser.add_argument(
+        "--edge-power",
+        type=_csv,
+        default=BenchConfig.edge_powers,
+        help=f"comma list of the edge's --edge-power among {', '.join(EDGE_POWERS)}: how far it drafts ahead (default balanced)",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="requests sent at once through one edge (and to target-only) (default 1)"
     )
     parser.add_argument(
         "--rtt-ms", type=lambda text: tuple(float(v) for v in _csv(text)), help="comma list of round-trip times (default 0,10,50,100)"
@@ -171,6 +180,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         draft_lengths=_pick(args.draft_length, quick.draft_lengths, BenchConfig.draft_lengths, is_quick),
         draft_backends=tuple(args.draft_backend),
         overlaps=tuple(args.overlap),
+        edge_powers=tuple(args.edge_power),
+        concurrency=args.concurrency,
         network=network,
         placement=placement,
         max_tokens=_pick(args.max_tokens, quick.max_tokens, BenchConfig.max_tokens, is_quick),

@@ -15,6 +15,7 @@ SPADE_MODE = "spade"
 DRAFT_MODE = "draft"
 MODES = (TARGET_MODE, SPADE_MODE, DRAFT_MODE)
 DRAFT_BACKENDS = ("auto", "llamacpp", "transformers")
+EDGE_POWERS = ("performance", "balanced", "saver")
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -102,6 +103,10 @@ class BenchConfig:
     """Values of the edge's ``--draft-backend`` (auto, llamacpp, transformers); one edge each."""
     overlaps: tuple[bool, ...] = (True,)
     """Whether the edge drafts while a block is verified (``--overlap``); both to compare."""
+    edge_powers: tuple[str, ...] = ("balanced",)
+    """Values of the edge's ``--edge-power`` (performance, balanced, saver); one edge each."""
+    concurrency: int = 1
+    """Requests sent at once through one edge (or to target-only): items run in batches of this many."""
     network: NetworkSweep = NetworkSweep()
     placement: Placement = field(default_factory=Placement.default)
     max_tokens: int = 128
@@ -131,6 +136,9 @@ class BenchConfig:
             raise ValueError(
                 f"draft backends must be among {DRAFT_BACKENDS} and overlaps non-empty, got {self.draft_backends}, {self.overlaps}"
             )
+        unknown_powers = set(self.edge_powers) - set(EDGE_POWERS)
+        if unknown_powers or not self.edge_powers or self.concurrency < 1:
+            raise ValueError(f"edge powers must be among {EDGE_POWERS} and concurrency >= 1, got {self.edge_powers}, {self.concurrency}")
         if SPADE_MODE in self.modes and not self.draft_lengths:
             raise ValueError("spade mode needs at least one draft length")
         if self.max_tokens < 1:
@@ -144,7 +152,12 @@ class BenchConfig:
 
     @property
     def edge_variants(self) -> list[EdgeVariant]:
-        return [EdgeVariant(backend, overlap) for backend in self.draft_backends for overlap in self.overlaps]
+        return [
+            EdgeVariant(backend, overlap, power)
+            for backend in self.draft_backends
+            for overlap in self.overlaps
+            for power in self.edge_powers
+        ]
 
     def to_dict(self) -> dict:
         described = asdict(self)

@@ -107,6 +107,17 @@ class GroupSummary:
     """Share of blocks drafted ahead that started the next block (overlap on)."""
     draft_ahead_s_per_token: float | None = None
     """Drafting hidden under verify calls, per generated token."""
+    used_drafts_per_token: float | None = None
+    """Drafted tokens accepted (or drafted-ahead guesses confirmed) per generated token."""
+    rejected_drafts_per_token: float | None = None
+    """Drafted tokens sent and rejected per generated token."""
+    discarded_ahead_per_token: float | None = None
+    """Tokens drafted ahead and thrown away per generated token (what ``--edge-power`` trims)."""
+    concurrency: int = 1
+    aggregate_tokens_per_s: float | None = None
+    """All requests' tokens over the phase's wall time (``--concurrency K``: K at once)."""
+    edge_wait_share: float | None = None
+    """Share of the requests' wall time spent waiting for the edge's drafting (``spade.draft_ms``)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,7 +189,20 @@ def summarize_group(records: list[RequestRecord], category: str = ALL) -> GroupS
         cpu_bound_tokens_per_s=_cpu_bound_rate(records),
         overlap_hit_rate=_overlap_hit_rate(records),
         draft_ahead_s_per_token=_seconds_per_token(records, lambda record: record.draft_ahead_ms),
+        used_drafts_per_token=_ratio(_total(records, lambda record: record.used_draft_tokens), tokens),
+        rejected_drafts_per_token=_ratio(_total(records, lambda record: record.rejected_draft_tokens), tokens),
+        discarded_ahead_per_token=_ratio(_total(records, lambda record: record.discarded_ahead_tokens), tokens),
+        concurrency=max(record.concurrency for record in records),
+        aggregate_tokens_per_s=_aggregate_rate(records),
+        edge_wait_share=_ratio(_total(records, lambda record: record.draft_ms), wall_s * 1000.0),
     )
+
+
+def _aggregate_rate(records: list[RequestRecord]) -> float | None:
+    """Tokens per second of the phase's wall time: each batch counted once (its requests'
+    shares of it add up to it); one request at a time, the requests' own walls."""
+    wall_s = sum(record.wall_s if record.batch_wall_share_s is None else record.batch_wall_share_s for record in records)
+    return _ratio(sum(record.completion_tokens for record in records), wall_s)
 
 
 def _overlap_hit_rate(records: list[RequestRecord]) -> float | None:

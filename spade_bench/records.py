@@ -9,6 +9,7 @@ Glossary (per request, i.e. one turn of one conversation = one sequence):
     verifier_cpu_s        CPU seconds the verifier process spent (its own process accounting)
     edge_cpu_s            CPU seconds of the edge process (for draft-only: the draft server)
     bytes_up / bytes_down bytes on the emulated link, edge -> cloud / cloud -> edge
+    used / rejected / discarded ahead   what became of each token the edge drafted
 """
 
 from __future__ import annotations
@@ -18,20 +19,23 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass(frozen=True)
 class EdgeVariant:
-    """How the edge drafts: its drafter backend and whether it drafts while a block is verified."""
+    """How the edge drafts: its drafter backend, whether it drafts while a block is verified, and
+    how far (``--edge-power``)."""
 
     draft_backend: str = "auto"
     overlap: bool = True
+    edge_power: str = "balanced"
 
     @property
     def suffix(self) -> str:
         """What a phase's label adds for this variant: nothing for the edge's defaults."""
         backend = "" if self.draft_backend == "auto" else f"-{self.draft_backend}"
-        return backend + ("" if self.overlap else "-in-turn")
+        power = "" if self.edge_power == "balanced" else f"-{self.edge_power}"
+        return backend + ("" if self.overlap else "-in-turn") + power
 
     @property
     def edge_args(self) -> tuple[str, ...]:
-        return ("--draft-backend", self.draft_backend, "--overlap", str(self.overlap).lower())
+        return ("--draft-backend", self.draft_backend, "--overlap", str(self.overlap).lower(), "--edge-power", self.edge_power)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class SpadeCounts:
     overlap_misses: int = 0
     verify_ms: float = 0.0
     verifier_forward_ms: float = 0.0
+    used_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
+    discarded_ahead_tokens: int = 0
 
     @classmethod
     def from_payload(cls, payload: dict | None) -> SpadeCounts | None:
@@ -106,6 +113,17 @@ class RequestRecord:
     overlap_misses: int | None = None
     verify_ms: float | None = None
     verifier_forward_ms: float | None = None
+    used_draft_tokens: int | None = None
+    """Drafted tokens accepted, or drafted-ahead guesses the verdict confirmed (the edge's ``spade`` stats)."""
+    rejected_draft_tokens: int | None = None
+    discarded_ahead_tokens: int | None = None
+    """Tokens the edge drafted ahead and threw away (a miss, or the request's end)."""
+    concurrency: int = 1
+    """Requests sent at once through the edge in this request's batch (``--concurrency``)."""
+    batch_wall_share_s: float | None = None
+    """The wall time of the batch the request ran in, times its share of the batch's tokens
+    (None: one request at a time). With K at once, the batch's CPU seconds and link bytes are
+    shared the same way; the shares of a phase add up to its wall time."""
     target_passes: int | None = None
     verifier_cpu_s: float | None = None
     edge_cpu_s: float | None = None

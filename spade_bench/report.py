@@ -206,6 +206,48 @@ def time_split_table(summaries: Summaries) -> str:
     return _table(header, rows)
 
 
+def edge_cost_table(summaries: Summaries) -> str:
+    """What the edge spends per generated token (SPADE modes, per RTT): its CPU, and every token
+    it drafted split by fate: used (accepted, or a drafted-ahead guess confirmed), rejected by
+    the target, or drafted ahead and thrown away; beside the speed, the aggregate speed of the
+    requests sent at once (``--concurrency``) and the share of their wait spent on drafting."""
+    header = [
+        "mode",
+        "RTT ms",
+        "at once",
+        "tok/s",
+        "aggregate tok/s",
+        "edge CPU s/tok",
+        "drafted/tok",
+        "used/tok",
+        "rejected/tok",
+        "discarded ahead/tok",
+        "edge share of wait",
+    ]
+    rows = []
+    for s in summaries.by_rtt:
+        if s.mode != SPADE_MODE:
+            continue
+        parts = (s.used_drafts_per_token, s.rejected_drafts_per_token, s.discarded_ahead_per_token)
+        drafted = None if any(part is None for part in parts) else sum(part or 0.0 for part in parts)
+        rows.append(
+            [
+                s.label,
+                _rtt(s.rtt_ms),
+                str(s.concurrency),
+                _fmt(s.tokens_per_s),
+                _fmt(s.aggregate_tokens_per_s),
+                _fmt(s.edge_cpu_per_token, 3),
+                _fmt(drafted),
+                _fmt(s.used_drafts_per_token),
+                _fmt(s.rejected_drafts_per_token),
+                _fmt(s.discarded_ahead_per_token),
+                _fmt(s.edge_wait_share, 0, 100, " %"),
+            ]
+        )
+    return _table(header, rows)
+
+
 def paper_table(summaries: Summaries) -> str:
     """Cloud calls (target forward passes) per sequence, next to the paper's."""
     header = ["data set", "paper target-only", "paper SPADE", "ours target-only", "ours SPADE (best)", "ours SPADE mode"]
@@ -308,6 +350,7 @@ def markdown_report(summaries: Summaries, is_greedy: bool, conditions: dict) -> 
         "## Speed and cost per mode and RTT\n\n" + main_table(summaries),
         "## Target calls, acceptance and quality (RTTs pooled)\n\n" + cost_table(summaries),
         "## Where SPADE's time goes (per generated token)\n\n" + time_split_table(summaries),
+        "## The edge's cost per generated token\n\n" + edge_cost_table(summaries),
         "## Cloud calls per sequence vs the paper\n\n" + paper_table(summaries),
         "## Per category (SPADE modes, RTTs pooled)\n\n" + category_table(summaries),
         "## Goals (reported, not asserted)\n\n" + "\n".join(goals(summaries, is_greedy)),

@@ -7,9 +7,10 @@ Topology (two machines emulated on one, each pinned to its own cores):
     draft:   bench ──> verifier(draft) on the edge's cores     no link: the edge model alone
 
 One verifier serves both the target-only and the SPADE phases; one edge process runs per draft
-length. Phases run one request at a time (Spec-Bench's batch size 1). Around each request the
-services' /metrics (CPU seconds, forward passes) and the proxy's byte counters are read, and the
-difference is that request's cost.
+length. Phases run one request at a time (Spec-Bench's batch size 1), or ``--concurrency K``
+items at once through one edge. Around each request (each batch of K) the services' /metrics
+(CPU seconds, forward passes) and the proxy's byte counters are read, and the difference is that
+request's cost (the batch's, shared by tokens).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import httpx
@@ -116,12 +119,33 @@ def _add_target_counts(record: RequestRecord, counts: SpadeCounts, before: Snaps
     record.overlap_misses = counts.overlap_misses
     record.verify_ms = counts.verify_ms
     record.verifier_forward_ms = counts.verifier_forward_ms
+    record.used_draft_tokens = counts.used_draft_tokens
+    record.rejected_draft_tokens = counts.rejected_draft_tokens
+    record.discarded_ahead_tokens = counts.discarded_ahead_tokens
     passes = _metric_delta(before, after, PASSES_METRIC)
     target_tokens = _metric_delta(before, after, TARGET_TOKENS_METRIC)
     # A verifier that counts only /v1/verify forwards leaves target-only requests at 0 there;
     # then the response's own count (verify_calls = forward passes for target-only) stands.
     record.target_passes = passes if passes else counts.verify_calls
     record.target_tokens = target_tokens if target_tokens else counts.target_tokens
+
+
+def share_batch(records: list[RequestRecord], before: Snapshot, after: Snapshot, batch_wall_s: float) -> list[RequestRecord]:
+    """Requests that ran at once: the batch's CPU seconds and link bytes, which no one request's
+    snapshots can separate, shared by tokens (a request of 30 tokens in a batch of 90 gets a
+    third); so is the batch's wall time (summed over a phase: its wall, for aggregate tokens/s)."""
+    total_tokens = sum(record.completion_tokens for record in records) or 1
+    concurrency = len({record.item_id for record in records})
+    link = after.link - before.link
+    verifier_cpu_s = _delta(after.verifier_cpu_s, before.verifier_cpu_s)
+    edge_cpu_s = _delta(after.edge_cpu_s, before.edge_cpu_s)
+    for record in records:
+        share = record.completion_tokens / total_tokens
+        record.verifier_cpu_s = None if verifier_cpu_s is None else verifier_cpu_s * share
+        record.edge_cpu_s = None if edge_cpu_s is None else edge_cpu_s * share
+        record.bytes_up, record.bytes_down = round(link.bytes_up * share), round(link.bytes_down * share)
+        record.concurrency, record.batch_wall_share_s = concurrency, batch_wall_s * share
+    return records
 
 
 class BenchRunner:
@@ -202,8 +226,13 @@ class BenchRunner:
         with client:
             model = served_model(client)
             self._warm_up(client, model)
-            for item in self.items:
-                self._run_item(client, model, item, phase, endpoints)
+            if self.config.concurrency == 1:
+                for item in self.items:
+                    self._run_item(client, model, item, phase, endpoints)
+                return
+            size = self.config.concurrency
+            for start in range(0, len(self.items), size):
+                self._run_batch(client, model, self.items[start : start + size], phase, endpoints)
 
     def _warm_up(self, client, model: str) -> None:
         """One short unrecorded request: first-request costs and connection setup stay out."""
@@ -229,6 +258,37 @@ class BenchRunner:
             record = build_record(item, turn, phase, result, before, after)
             answers.append(record.text)
             self.on_record(record)
+
+    def _run_batch(self, client, model: str, items: list[BenchItem], phase: Phase, endpoints: Endpoints) -> None:
+        """``items`` at once (each its turns in order), measured as one: the CPU seconds and
+        link bytes of the batch are shared among its requests by their tokens."""
+        before = take_snapshot(endpoints)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(items)) as pool:
+            answered = list(pool.map(lambda item: self._conversation_results(client, model, item, phase), items))
+        batch_wall_s = time.perf_counter() - started
+        after = take_snapshot(endpoints)
+        records = [
+            build_record(item, turn, phase, result, before, before)
+            for item, results in zip(items, answered, strict=True)
+            for turn, result in enumerate(results, start=1)
+        ]
+        for record in share_batch(records, before, after, batch_wall_s):
+            self.on_record(record)
+
+    def _conversation_results(self, client, model: str, item: BenchItem, phase: Phase) -> list[StreamResult]:
+        """One item's turns in order; a failed turn is listed and ends the item."""
+        results: list[StreamResult] = []
+        for turn in range(1, item.num_turns + 1):
+            try:
+                results.append(stream_chat(client, model, conversation(item, [result.text for result in results]), self._generation))
+            except (openai.APIError, httpx.HTTPError) as error:
+                logger.error("%s item %s turn %d failed: %s", phase.label, item.item_id, turn, error)
+                self.failures.append(
+                    {"label": phase.label, "rtt_ms": phase.rtt_ms, "item_id": item.item_id, "turn": turn, "error": str(error)[:500]}
+                )
+                break
+        return results
 
     def _start(self, spec: ServiceSpec) -> Service:
         self.on_progress(f"starting {spec.name}")

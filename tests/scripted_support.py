@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from edge_agent.draft_length import DraftLengthPolicy, FixedDraftLength
 from edge_agent.drafter import DraftBlock
@@ -74,7 +75,7 @@ class ScriptedVerifier:
     """(context, block, accepted, next token) of every answered call."""
     cancelled: list[int] = field(default_factory=list)
 
-    def open_session(self, cache_salt: str | None = None) -> ScriptedVerifier:
+    def open_session(self, cache_salt: str | None = None, route_key: str | None = None) -> ScriptedVerifier:
         return self
 
     async def verify(
@@ -126,10 +127,10 @@ def draft_continuation(prompt: list[int], num_tokens: int) -> list[int]:
 
 
 def scripted_engine(
-    drafter, verifier, draft_length: DraftLengthPolicy | None = None, metrics: EdgeMetrics | None = None, **options: bool
+    drafter, verifier, draft_length: DraftLengthPolicy | None = None, metrics: EdgeMetrics | None = None, **options: Any
 ) -> SpeculativeEngine:
     """The engine over a scripted drafter and verifier (blocks of 4 unless ``draft_length``);
-    ``options`` are ``EngineOptions``' switches."""
+    ``options`` are ``EngineOptions``' keyword fields (its switches, ``draft_ahead_policy``)."""
     served = ServedModel(ModelDescription("target", VOCAB, 10_000, frozenset({EOS})), None)
     engine_options = EngineOptions(draft_length or FixedDraftLength(4), **options)
     return SpeculativeEngine(drafter, verifier, served, metrics or EdgeMetrics(), engine_options)

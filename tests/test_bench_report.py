@@ -14,6 +14,7 @@ from spade_bench.proxy import LinkCounters
 from spade_bench.records import EdgeVariant, Phase, RequestRecord
 from spade_bench.report import (
     Summaries,
+    edge_cost_table,
     goals,
     load_records,
     main_table,
@@ -21,7 +22,7 @@ from spade_bench.report import (
     time_split_table,
     write_results,
 )
-from spade_bench.runner import Snapshot, build_record
+from spade_bench.runner import Snapshot, build_record, share_batch
 
 
 def record(phase: Phase, item_id: str = "1", tokens: int = 10, wall_s: float = 1.0, **fields) -> RequestRecord:
@@ -85,14 +86,59 @@ def test_phase_labels():
 
 
 def test_edge_variants_name_what_differs_from_the_edges_defaults():
-    variants = [EdgeVariant(), EdgeVariant(overlap=False), EdgeVariant("transformers"), EdgeVariant("llamacpp", overlap=False)]
+    variants = [
+        EdgeVariant(),
+        EdgeVariant(overlap=False),
+        EdgeVariant("transformers"),
+        EdgeVariant("llamacpp", overlap=False),
+        EdgeVariant(edge_power="saver"),
+    ]
     assert [Phase("spade", "8", 0.0, variant).label for variant in variants] == [
         "spade-k8",
         "spade-k8-in-turn",
         "spade-k8-transformers",
         "spade-k8-llamacpp-in-turn",
+        "spade-k8-saver",
     ]
-    assert EdgeVariant("llamacpp", overlap=False).edge_args == ("--draft-backend", "llamacpp", "--overlap", "false")
+    assert EdgeVariant("llamacpp", overlap=False).edge_args == (
+        "--draft-backend",
+        "llamacpp",
+        "--overlap",
+        "false",
+        "--edge-power",
+        "balanced",
+    )
+
+
+def test_the_edges_drafts_per_token_are_split_by_what_became_of_them():
+    records = [
+        spade_record(tokens=10, used_draft_tokens=8, rejected_draft_tokens=2, discarded_ahead_tokens=5, draft_ms=500.0, wall_s=2.0),
+        spade_record(item_id="2", tokens=30, used_draft_tokens=20, rejected_draft_tokens=6, discarded_ahead_tokens=3, draft_ms=0.0),
+    ]
+    summary = summarize_group(records)
+    assert (summary.used_drafts_per_token, summary.rejected_drafts_per_token, summary.discarded_ahead_per_token) == (
+        pytest.approx(28 / 40),
+        pytest.approx(8 / 40),
+        pytest.approx(8 / 40),
+    )
+    assert summary.edge_wait_share == pytest.approx(0.5 / 3.0)
+    assert summary.aggregate_tokens_per_s == pytest.approx(40 / 3.0)  # one at a time: the requests' own walls
+    table = edge_cost_table(Summaries.of(records))
+    assert "| spade-k4 | 0 | 1 | 13.33 | 13.33 | 0.100 | 1.10 | 0.70 | 0.20 | 0.20 | 17 % |" in table
+
+
+def test_requests_at_once_share_the_batchs_cpu_and_wall_by_tokens():
+    phase = SPADE_0
+    before = Snapshot(verifier_cpu_s=10.0, edge_cpu_s=5.0, link=LinkCounters(1000, 2000))
+    after = Snapshot(verifier_cpu_s=14.0, edge_cpu_s=7.0, link=LinkCounters(1400, 2800))
+    records = [spade_record(item_id="1", tokens=10, wall_s=4.0), spade_record(item_id="2", tokens=30, wall_s=3.0)]
+    shared = share_batch(records, before, after, batch_wall_s=4.0)
+    assert [(r.verifier_cpu_s, r.edge_cpu_s, r.bytes_up, r.bytes_down) for r in shared] == [(1.0, 0.5, 100, 200), (3.0, 1.5, 300, 600)]
+    assert [r.concurrency for r in shared] == [2, 2]
+    summary = summarize_group(shared)
+    assert summary.aggregate_tokens_per_s == pytest.approx(40 / 4.0)  # the batch's wall, once
+    assert summary.tokens_per_s == pytest.approx(40 / 7.0)  # each request's own wait
+    assert summary.concurrency == 2 and phase.label == "spade-k4"
 
 
 def test_rates_are_ratios_of_sums():

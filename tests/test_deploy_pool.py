@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from deploy_support import free_port, render_pool_config, running_nginx
@@ -25,10 +26,11 @@ from edge_agent.app import build_engine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
 from edge_agent.verifier_client import SESSION_HEADER
-from edge_support import verifier_app
+from edge_support import edge_app, verifier_app
+from gateway.affinity import chat_prefix_key
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
-from servers import LoopbackServer
+from servers import LoopbackServer, serve
 from spade_core.params import SamplingConfig
 from verifier_support import greedy_continuation
 
@@ -38,7 +40,7 @@ PROMPT = "The edge drafts"
 MAX_TOKENS = 60
 RESTART_BEFORE_POST = 4
 """The replica holding the session restarts after the stream's third verify call."""
-ACCESS_LOG_FORMAT = "log_format routing '$request_method|$uri|$http_x_spade_session|$upstream_addr|$upstream_status';"
+ACCESS_LOG_FORMAT = "log_format routing '$request_method|$uri|$http_x_spade_session|$upstream_addr|$upstream_status|$http_x_spade_route';"
 
 
 @dataclass
@@ -58,9 +60,21 @@ class Pool:
         first ``skip`` requests."""
         rows = []
         for line in self.access_log.read_text().splitlines()[skip:]:
-            method, path, session, upstream, status = line.split("|")
+            method, path, session, upstream, status, _ = line.split("|")
             rows.append((method, path, session, self.replica_at(upstream), status))
         return rows
+
+    def replicas_by_route(self, skip: int = 0) -> dict[str, set[str]]:
+        """Prefix key (X-Spade-Route) -> the replicas its requests reached, after ``skip`` requests."""
+        replicas = defaultdict(set)
+        for line in self.access_log.read_text().splitlines()[skip:]:
+            _, _, _, upstream, _, route = line.split("|")
+            if route not in ("", "-"):
+                replicas[route].add(self.replica_at(upstream))
+        return dict(replicas)
+
+    def num_requests(self) -> int:
+        return len(self.access_log.read_text().splitlines())
 
     def restart(self, name: str) -> None:
         server = self.replicas[name]
@@ -212,3 +226,35 @@ def test_the_session_ends_on_the_replica_holding_it(restarted):
     deletes = [(replica, status) for method, _, _, replica, status in stream.routes if method == "DELETE"]
     assert deletes == [(holder, "200")]
     assert {name: values["spade_verifier_sessions"] for name, values in stream.after.items()} == {"verifier-a": 0, "verifier-b": 0}
+
+
+# --- routing by prefix: requests that share one meet -----------------------------------------------
+
+
+def test_requests_sharing_a_prefix_meet_on_one_replica_and_prefixes_spread(pool):
+    """Through a real edge and its OpenAI route: a chat's two turns, and two users under one
+    system prompt, reach one replica (every call, and the DELETE); 16 system prompts spread.
+    Last in the module: the restart tests count every verify call the replicas have served."""
+    skip = pool.num_requests()
+    shared_system = {"role": "system", "content": "You answer in one line."}
+    turn_1 = [{"role": "user", "content": "The edge drafts"}]
+    turn_2 = turn_1 + [{"role": "assistant", "content": "tokens"}, {"role": "user", "content": "and then?"}]
+    user_a, user_b = [shared_system, {"role": "user", "content": "Hi"}], [shared_system, {"role": "user", "content": "Why?"}]
+    others = [[{"role": "system", "content": f"You are assistant {index}."}, {"role": "user", "content": "Hi"}] for index in range(16)]
+    with serve(edge_app(pool.tiny_pair, pool.url, verifier_api_key=KEY)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for messages in [turn_1, turn_2, user_a, user_b, *others]:
+            client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    replicas = pool.replicas_by_route(skip)
+    chat, system = chat_prefix_key(turn_1), chat_prefix_key(user_a)
+    assert chat == chat_prefix_key(turn_2) and system == chat_prefix_key(user_b) and chat != system
+    assert len(replicas[chat]) == 1 and len(replicas[system]) == 1
+    other_keys = {chat_prefix_key(messages) for messages in others}
+    assert len(other_keys) == 16 and all(len(replicas[key]) == 1 for key in other_keys)
+    assert set().union(*(replicas[key] for key in other_keys)) == {"verifier-a", "verifier-b"}  # all on one: p = 2^-15
+    sessions = defaultdict(set)
+    for method, _, session, replica, _ in pool.routes(skip):
+        if method in ("POST", "DELETE"):
+            sessions[session].add(replica)
+    assert len(sessions) == 20 and all(len(replicas_of_session) == 1 for replicas_of_session in sessions.values())

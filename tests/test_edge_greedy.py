@@ -36,22 +36,31 @@ def target_outputs(verifier_url) -> dict[str, Output]:
 
 
 EDGE_VARIANTS = (
-    [(length, True, True) for length in DRAFT_LENGTHS]
-    + [(length, False, True) for length in ("1", "5", "auto")]
-    + [("3", True, False), ("5", False, False)]
+    [(length, True, True, "balanced") for length in DRAFT_LENGTHS]
+    + [(length, False, True, "balanced") for length in ("1", "5", "auto")]
+    + [("3", True, False, "balanced"), ("5", False, False, "balanced")]
+    + [
+        (length, True, prefill_first, power)
+        for length in ("2", "auto")
+        for prefill_first in (True, False)
+        for power in ("performance", "saver")
+    ]
 )
-"""(draft length, overlap, prefill first): every length drafting ahead while verifying, with the
-prompt-only first call (the defaults); some in turn; some whose first call carries a block."""
+"""(draft length, overlap, prefill first, edge power): every length drafting ahead while verifying,
+with the prompt-only first call (the defaults); some in turn; some whose first call carries a
+block; the other --edge-power modes, which change only when the edge drafts ahead."""
 
 
-def _variant_id(length: str, overlap: bool, prefill_first: bool) -> str:
-    return f"draft-{length}-{'overlap' if overlap else 'in-turn'}{'' if prefill_first else '-block-first'}"
+def _variant_id(length: str, overlap: bool, prefill_first: bool, power: str) -> str:
+    mode = f"{'overlap' if overlap else 'in-turn'}{'' if prefill_first else '-block-first'}"
+    return f"draft-{length}-{mode}" + ("" if power == "balanced" else f"-{power}")
 
 
 @pytest.fixture(scope="module", params=EDGE_VARIANTS, ids=[_variant_id(*variant) for variant in EDGE_VARIANTS])
 def edge_client(request, tiny_pair, verifier_url):
-    draft_length, overlap, prefill_first = request.param
-    with serve(edge_app(tiny_pair, verifier_url, draft_length=draft_length, overlap=overlap, prefill_first=prefill_first)) as url:
+    draft_length, overlap, prefill_first, power = request.param
+    settings = dict(overlap=overlap, prefill_first=prefill_first, edge_power=power)
+    with serve(edge_app(tiny_pair, verifier_url, draft_length=draft_length, **settings)) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 

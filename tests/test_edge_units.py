@@ -74,6 +74,7 @@ def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
     stats = SpadeStats()
     count_call(stats, call, 3, drafting)
     expected = dict(verify_calls=1, drafted_tokens=3, accepted_tokens=2, target_tokens=4, resyncs=1)
+    expected |= dict(used_draft_tokens=2, rejected_draft_tokens=1)
     assert stats == SpadeStats(**expected, draft_ms=250.0, verify_ms=500.0, verifier_forward_ms=30.0)
     assert block_outcome(call, 3, drafting) == BlockOutcome(3, 2, 0.125, 0.5, 0.04, num_target_tokens=4)
     metrics = EdgeMetrics()
