@@ -28,7 +28,7 @@ from deploy_support import (
     render_pool_config,
     selectors,
 )
-from edge_agent.verifier_client import SESSION_HEADER
+from edge_agent.verifier_client import ROUTE_HEADER, SESSION_HEADER
 
 REQUIRED_PANELS = {
     "Tokens per verify call",
@@ -78,11 +78,13 @@ def test_the_pool_proxies_to_the_pool_replicas(compose):
     assert set(pool["depends_on"]) == set(replicas)
 
 
-def test_the_pool_hashes_the_session_header_the_edge_sends_on_a_consistent_ring():
+def test_the_pool_hashes_the_route_header_else_the_session_header_on_a_consistent_ring():
     text = NGINX_POOL_CONF.read_text()
-    assert re.search(r"^\s*hash \$spade_session consistent;", text, flags=re.MULTILINE)
-    header_variable = "$http_" + SESSION_HEADER.lower().replace("-", "_")
-    assert f"map {header_variable} $spade_session" in text
+    assert re.search(r"^\s*hash \$spade_replica_key consistent;", text, flags=re.MULTILINE)
+    session_variable = "$http_" + SESSION_HEADER.lower().replace("-", "_")
+    route_variable = "$http_" + ROUTE_HEADER.lower().replace("-", "_")
+    assert f"map {session_variable} $spade_session" in text
+    assert re.search(rf"map \{route_variable} \$spade_replica_key \{{\s*\"\" \$spade_session;", text)
 
 
 def test_a_delete_without_the_header_is_pinned_by_the_id_in_its_path():

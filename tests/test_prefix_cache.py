@@ -94,11 +94,12 @@ def test_verdicts_are_bitwise_those_without_the_cache(invariant_backends, vocab_
     with_cache, cached_on = asyncio.run(_run(on, _conversation(on, sampling, vocab_size)))
     without, cached_off = asyncio.run(_run(off, _conversation(off, sampling, vocab_size)))
     assert _outcome(with_cache) == _outcome(without)
-    # A: nothing cached; B: A's live 40-token prefix, whole blocks (32); C: A's retained cache,
-    # all but its last committed token (C's context starts with A's 48 committed); D: nothing.
-    assert cached_on == [0, 32, 32, 0] and cached_off == [0, 0, 0, 0]
+    # A: nothing cached; B: A's live 40-token prefix, found by its 2 whole blocks, then token by
+    # token; C: A's retained cache, all of it (A's 48 committed tokens but the last, never fed);
+    # D: nothing.
+    assert cached_on == [0, 40, 47, 0] and cached_off == [0, 0, 0, 0]
     b_first = with_cache[3]
-    assert b_first.num_target_tokens == 49 - 32  # the prompt's remainder only
+    assert b_first.num_target_tokens == 49 - 40  # the prompt's remainder only
     assert without[3].num_target_tokens == 49
 
 
@@ -114,7 +115,7 @@ def test_namespaces_do_not_share_and_a_call_without_one_shares_nothing(invariant
         same = await backend.verify_block(_block("e", prefix + [5], [], GREEDY))
         return [v.num_cached_tokens for v in (other_salt, other_key, unshared, same)]
 
-    assert asyncio.run(_run(backend, scenario())) == [0, 0, 0, 32]
+    assert asyncio.run(_run(backend, scenario())) == [0, 0, 0, 40]
 
 
 def test_a_shared_prefix_is_never_changed_by_a_session_holding_it(invariant_backends, vocab_size):
@@ -133,7 +134,7 @@ def test_a_shared_prefix_is_never_changed_by_a_session_holding_it(invariant_back
         b_keys = backend._runner._caches["b"].cache.layers[0].keys.clone()
         await backend.verify_block(_block("a", diverged, a_drafts, GREEDY))
         if check_rows:
-            assert b_first.num_cached_tokens == 32
+            assert b_first.num_cached_tokens == 40
             assert torch.equal(backend._runner._caches["b"].cache.layers[0].keys, b_keys)
         verdicts, _ = await _steps(backend, "b", b_context, GREEDY, random.Random(3), vocab_size)
         return verdicts
@@ -159,4 +160,4 @@ def test_an_ended_session_is_retained_within_its_bound_least_recently_used_out(i
         return [verdict.num_cached_tokens for verdict in again]
 
     hits = asyncio.run(_run(backend, scenario()))
-    assert hits == [0, 32, 32]  # s0 went first (least recently used) when s2 was retained
+    assert hits == [0, 40, 40]  # s0 went first (least recently used) when s2 was retained

@@ -42,9 +42,10 @@ def test_a_resent_context_starts_from_its_own_retained_cache(tiny_pair, vocab_si
         client.delete("/v1/sessions/s")
         again = verify(client, verify_body("s", [], [], new_tokens=context))
         metrics = client.get("/metrics").text
-    assert (first["num_cached_tokens"], again["num_cached_tokens"]) == (0, 32)
-    assert (again["next_token"], again["num_target_tokens"]) == (first["next_token"], 40 - 32)
-    assert (_metric(metrics, "spade_verifier_prompt_tokens_total"), _metric(metrics, "spade_verifier_prefix_hit_tokens_total")) == (80, 32)
+    # All but the last token (whose logits the call needs) come from the retained cache.
+    assert (first["num_cached_tokens"], again["num_cached_tokens"]) == (0, 39)
+    assert (again["next_token"], again["num_target_tokens"]) == (first["next_token"], 40 - 39)
+    assert (_metric(metrics, "spade_verifier_prompt_tokens_total"), _metric(metrics, "spade_verifier_prefix_hit_tokens_total")) == (80, 39)
 
 
 def test_a_session_evicted_for_another_resyncs_from_its_retained_cache(tiny_pair, vocab_size):
@@ -55,10 +56,10 @@ def test_a_session_evicted_for_another_resyncs_from_its_retained_cache(tiny_pair
         verify(client, verify_body("s2", [], [], new_tokens=_prompt(3, 40, vocab_size)))  # evicts s1
         assert client.post("/v1/verify", json=verify_body("s1", committed, [5])).status_code == 409
         resynced = verify(client, verify_body("s1", [], [5], new_tokens=committed))
-    assert resynced["num_cached_tokens"] == 32
+    assert resynced["num_cached_tokens"] == len(committed) - 1
 
 
-@pytest.mark.parametrize(("budget_tokens", "hit"), [(MAX_CONTEXT, 0), (3 * MAX_CONTEXT, 48)], ids=["tight", "roomy"])
+@pytest.mark.parametrize(("budget_tokens", "hit"), [(MAX_CONTEXT, 0), (3 * MAX_CONTEXT, 60)], ids=["tight", "roomy"])
 def test_retained_caches_live_within_the_byte_budget(tiny_pair, vocab_size, budget_tokens, hit):
     # An ended 60-token session is retained; an 80-token call then needs the room: with one
     # context's budget the retained cache gives way (no 429), with three it stays and is reused.
@@ -83,7 +84,7 @@ def test_calls_with_another_salt_share_nothing(tiny_pair, vocab_size):
         other = verify(client, verify_body(new_session_id(), [], [], new_tokens=context) | {"cache_salt": "tenant-2"})
         unsalted = verify(client, verify_body(new_session_id(), [], [], new_tokens=context))
         same = verify(client, verify_body(new_session_id(), [], [], new_tokens=context) | {"cache_salt": "tenant-1"})
-    assert [other["num_cached_tokens"], unsalted["num_cached_tokens"], same["num_cached_tokens"]] == [0, 0, 32]
+    assert [other["num_cached_tokens"], unsalted["num_cached_tokens"], same["num_cached_tokens"]] == [0, 0, 39]
 
 
 def test_the_salt_is_in_the_verdict_digests_fingerprint():
@@ -107,7 +108,7 @@ def _cached(answer: dict) -> int:
     return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-@pytest.mark.parametrize(("sharing", "other_key_hit"), [("per-key", 0), ("global", 32)])
+@pytest.mark.parametrize(("sharing", "other_key_hit"), [("per-key", 0), ("global", 39)])
 def test_keys_share_prefixes_only_in_global_mode(tiny_pair, vocab_size, sharing, other_key_hit):
     prompt = _prompt(7, 40, vocab_size)
     app_settings = {"api_key": f"{KEY_A},{KEY_B}", "served_model_name": "target", "prefix_sharing": sharing}
@@ -115,7 +116,7 @@ def test_keys_share_prefixes_only_in_global_mode(tiny_pair, vocab_size, sharing,
         first = _completion(url, prompt, KEY_A)
         other_key = _completion(url, prompt, KEY_B)
         same_key = _completion(url, prompt, KEY_A)
-    assert [_cached(first), _cached(other_key), _cached(same_key)] == [0, other_key_hit, 32]
+    assert [_cached(first), _cached(other_key), _cached(same_key)] == [0, other_key_hit, 39]
     assert first["choices"][0]["text"] == same_key["choices"][0]["text"] == other_key["choices"][0]["text"]
 
 
@@ -133,9 +134,9 @@ def test_the_edge_reports_the_verifiers_reuse_in_usage_stats_and_metrics(tiny_pa
         answers = [_completion(edge_url, prompt, model=model, cache_salt=salt) for salt in ("x", "x", "y")]
         edge_metrics = httpx.get(edge_url + "/metrics", timeout=30).text
         verifier_metrics = httpx.get(verifier_url + "/metrics", timeout=30).text
-    assert [_cached(answer) for answer in answers] == [0, 32, 0]
-    assert [answer["spade"]["verifier_cached_tokens"] for answer in answers] == [0, 32, 0]
+    assert [_cached(answer) for answer in answers] == [0, 39, 0]
+    assert [answer["spade"]["verifier_cached_tokens"] for answer in answers] == [0, 39, 0]
     assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
-    assert _metric(edge_metrics, "spade_edge_verifier_cached_tokens_total") == 32
+    assert _metric(edge_metrics, "spade_edge_verifier_cached_tokens_total") == 39
     assert _metric(edge_metrics, "spade_edge_prompt_tokens_total") == 120
-    assert _metric(verifier_metrics, "spade_verifier_prefix_hit_tokens_total") == 32
+    assert _metric(verifier_metrics, "spade_verifier_prefix_hit_tokens_total") == 39

@@ -1,5 +1,5 @@
 """The prefix store's index (``backends.transformers.prefix_store``), without a model: the
-longest cached prefix by whole blocks, namespaces that never meet, hits checked token by token
+longest cached prefix (found by whole blocks, then token by token), namespaces that never meet, hits checked token by token
 (a hash collision is a miss), sources that change, and retained sources bounded, least recently
 used out first, with live ones never dropped."""
 
@@ -18,12 +18,13 @@ def tokens(start: int, length: int) -> list[int]:
     return list(range(start, start + length))
 
 
-def test_the_longest_whole_block_prefix_is_found_and_capped_by_max_tokens():
+def test_a_prefix_is_found_by_whole_blocks_then_runs_token_by_token_capped_by_max_tokens():
     store = PrefixStore(max_retained_tokens=10_000)
     store.publish("a", "ns", tokens(0, 3 * B + 5))
     context = tokens(0, 2 * B + 3) + [99_999] * B
-    assert store.longest_prefix("ns", context, len(context) - 1) == PrefixHit("a", 2 * B)
-    assert store.longest_prefix("ns", tokens(0, 4 * B), 3 * B - 1) == PrefixHit("a", 2 * B)
+    assert store.longest_prefix("ns", context, len(context) - 1) == PrefixHit("a", 2 * B + 3)
+    assert store.longest_prefix("ns", tokens(0, 4 * B), 3 * B - 1) == PrefixHit("a", 3 * B - 1)
+    assert store.longest_prefix("ns", tokens(0, 4 * B), 4 * B - 1) == PrefixHit("a", 3 * B + 5)  # the source's partial block too
     assert store.longest_prefix("ns", tokens(0, B), B - 1) is None  # less than a block to reuse
     assert store.longest_prefix("ns", [7] + tokens(1, 3 * B), 3 * B) is None  # differs in the first block
 

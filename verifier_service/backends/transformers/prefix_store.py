@@ -7,6 +7,9 @@ Glossary:
     namespace   the isolation domain of a source (``verifier_service.prefix_sharing``): only lookups in the
                 same namespace find it, so a prefix never leaks across salts or API keys
     block       ``BLOCK_TOKENS`` consecutive tokens from position 0; only whole blocks are indexed
+                (a hit is found by its whole blocks, then runs token by token as far as the
+                source and the request agree: a chat's next turn reuses the previous turn's
+                last partial block too)
     chain hash  block i's key: a hash of block i-1's key and block i's token ids, the first
                 seeded by the namespace, so one key names a whole prefix in one namespace
 
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 from spade_models.kv_cache import common_prefix_length
 
 BLOCK_TOKENS = 16
-"""Tokens per indexed block: a hit is a multiple of it (a prompt's last partial block is fed)."""
+"""Tokens per indexed block: a source is found by the whole blocks it shares with a request."""
 
 
 def chain_hashes(namespace: str, token_ids: list[int], num_blocks: int) -> list[bytes]:
@@ -74,7 +77,7 @@ class Indexed:
 class PrefixHit:
     source_id: Hashable
     num_tokens: int
-    """Leading tokens of the request the source's cache covers (a multiple of BLOCK_TOKENS)."""
+    """Leading tokens of the request the source's cache covers (at least one whole block)."""
 
 
 class PrefixStore:
@@ -159,8 +162,10 @@ class PrefixStore:
             return self._shrink(max_tokens)
 
     def longest_prefix(self, namespace: str, token_ids: list[int], max_tokens: int) -> PrefixHit | None:
-        """The source covering the most whole blocks of ``token_ids`` (at most ``max_tokens``
-        tokens) in ``namespace``, its tokens checked; a retained hit becomes most recently used."""
+        """The source covering the most whole blocks of ``token_ids`` in ``namespace``, its tokens
+        checked, and how far past them it agrees with ``token_ids`` (at most ``max_tokens`` in all);
+        a retained hit becomes most recently used. Example: a source of 40 tokens sharing 37 with a
+        request -> found by its 2 whole blocks, a hit of 37."""
         num_blocks = max_tokens // BLOCK_TOKENS
         if num_blocks == 0:
             return None
@@ -172,10 +177,11 @@ class PrefixStore:
             for num_blocks_hit in range(depth, 0, -1):
                 for source_id in reversed(self._index[keys[num_blocks_hit - 1]]):
                     length = num_blocks_hit * BLOCK_TOKENS
-                    if self._sources[source_id].token_ids[:length] == token_ids[:length]:
+                    source_tokens = self._sources[source_id].token_ids
+                    if source_tokens[:length] == token_ids[:length]:
                         if source_id in self._retained:
                             self._retained.move_to_end(source_id)
-                        return PrefixHit(source_id, length)
+                        return PrefixHit(source_id, length + common_prefix_length(source_tokens[length:], token_ids[length:max_tokens]))
             return None
 
     def _unlist(self, source_id: Hashable) -> None:
