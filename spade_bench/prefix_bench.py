@@ -9,6 +9,11 @@ prefill of whatever the verifier did not have cached):
 - **system prompt**: ``num_users`` users, one after another, each a long shared system prompt
   (first turns of other Spec-Bench items as reference notes, about ``system_tokens`` tokens)
   plus a short question of their own.
+- **all at once**: the same users (under a system prompt nobody sent before) arriving at the
+  same moment: with the cache on, the first prefills the shared prompt and the others copy it
+  (``scheduler.waiting_for_shared_prefix``), so the prefilled tokens are one prompt plus each
+  other user's own question, and each first token comes after the shared prefill plus that
+  user's question; off, each prefills everything, in shared forwards.
 
 "Off" is the same backend with a salt per request (nothing shared), "on" one namespace for
 all; the two run interleaved, request by request, so load on a shared core hits both alike.
@@ -89,6 +94,23 @@ async def multi_turn(backend: TransformersBackend, items: list[BenchItem], answe
     return records
 
 
+async def all_at_once(backend: TransformersBackend, notes: list[BenchItem], questions: list[str], system_tokens: int) -> list[FirstToken]:
+    """Every user at the same moment, on (one fresh namespace: nothing of it cached yet) then off."""
+    tokenizer = backend.tokenizer
+    system = "Team notes, revision 2.\n" + shared_system_prompt(tokenizer, notes, system_tokens)
+    prompts = [
+        chat_ids(tokenizer, [{"role": "system", "content": system}, {"role": "user", "content": question}]) for question in questions
+    ]
+    records = []
+    for cache in ("on", "off"):
+        namespace = uuid.uuid4().hex
+        answers = await asyncio.gather(
+            *[first_token(backend, prompt, namespace if cache == "on" else uuid.uuid4().hex) for prompt in prompts]
+        )
+        records += [_named(record, "all at once", cache, f"user {index + 1}") for index, (record, _) in enumerate(answers)]
+    return records
+
+
 async def system_prompt(backend: TransformersBackend, notes: list[BenchItem], questions: list[str], system_tokens: int) -> list[FirstToken]:
     """Each user (in turn) with the shared system prompt and a question of their own, on then off."""
     tokenizer = backend.tokenizer
@@ -138,6 +160,14 @@ def summary(records: list[FirstToken]) -> list[str]:
             f"| {scenario}{' (users 2+)' if scenario == 'system prompt' else ''} | {len(on)} | "
             f"{_share(on):.0%} | {_share(off):.0%} | {ttft_on:.2f} s | {ttft_off:.2f} s | {ttft_on / ttft_off:.2f} |"
         )
+    together = [r for r in records if r.scenario == "all at once"]
+    if together:
+        lines.append("")
+        lines.append("All at once, per user: prefilled tokens and time to the first token, on | off")
+        ons, offs = [r for r in together if r.cache == "on"], [r for r in together if r.cache == "off"]
+        for on, off in zip(ons, offs, strict=True):
+            on_text = f"{on.prefilled_tokens} of {on.prompt_tokens}, {on.ttft_s:.2f} s"
+            lines.append(f"  {on.request}: {on_text} | {off.prefilled_tokens}, {off.ttft_s:.2f} s")
     return lines
 
 
@@ -152,6 +182,8 @@ async def run(backend: TransformersBackend, args: argparse.Namespace) -> list[Fi
     questions = [item.turns[0][:200] for item in items[-args.num_users :]]
     notes = items[len(two_turn) : len(items) - args.num_users]
     records += await system_prompt(backend, notes, questions, args.system_tokens)
+    if args.together:
+        records += await all_at_once(backend, notes, questions, args.system_tokens)
     await backend.aclose()
     return records
 
@@ -164,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--answer-tokens", type=int, default=32, help="Greedy tokens answering turn 1.")
     parser.add_argument("--num-users", type=int, default=4, help="Users of the shared system prompt.")
     parser.add_argument("--system-tokens", type=int, default=1000, help="About how long the shared system prompt is.")
+    parser.add_argument("--no-together", dest="together", action="store_false", help="Skip the all-at-once scenario.")
     parser.add_argument("--output", help="Write every request's record here (JSON lines).")
     args = parser.parse_args(argv)
     import torch

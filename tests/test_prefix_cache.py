@@ -19,7 +19,7 @@ from spade_core.params import SamplingConfig
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, BlockVerdict
 from verifier_service.backends.transformers.backend import TransformersBackend
-from verifier_service.backends.transformers.scheduler import SchedulerLimits
+from verifier_service.backends.transformers.scheduler import PendingCall, SchedulerLimits, waiting_for_shared_prefix
 from verifier_service.kv_budget import DEFAULT_KV_CACHE_BYTES
 from verifier_service.prefix_sharing import prefix_namespace
 from verifier_support import random_tokens
@@ -161,3 +161,50 @@ def test_an_ended_session_is_retained_within_its_bound_least_recently_used_out(i
 
     hits = asyncio.run(_run(backend, scenario()))
     assert hits == [0, 40, 40]  # s0 went first (least recently used) when s2 was retained
+
+
+@pytest.mark.parametrize("max_forward_rows", [512, 16], ids=["whole", "chunked"])
+def test_users_of_one_prefix_arriving_together_prefill_it_once(invariant_backends, vocab_size, max_forward_rows):
+    # Four sessions send one 64-token prefix with their own 5-token suffix at the same moment:
+    # with sharing the first prefills the prefix and the others wait, then copy it and feed only
+    # their suffix; without, each feeds all 69. Verdicts are bitwise the same either way.
+    rng = random.Random(21)
+    prefix = random_tokens(rng, 64, vocab_size)
+    contexts = [prefix + random_tokens(rng, 5, vocab_size) for _ in range(4)]
+
+    async def scenario(backend):
+        rows: list[int] = []
+        backend.observe_forwards(lambda record: rows.append(record.num_rows))
+        blocks = [_block(f"u{index}", context, [], GREEDY) for index, context in enumerate(contexts)]
+        verdicts = await asyncio.gather(*[backend.verify_block(block) for block in blocks])
+        return list(verdicts), sum(rows)
+
+    on = invariant_backends(True, max_forward_rows=max_forward_rows)
+    off = invariant_backends(False, max_forward_rows=max_forward_rows)
+    shared, rows_on = asyncio.run(_run(on, scenario(on)))
+    alone, rows_off = asyncio.run(_run(off, scenario(off)))
+    assert _outcome(shared) == _outcome(alone)
+    assert [verdict.num_cached_tokens for verdict in shared] == [0, 64, 64, 64]
+    assert rows_off == 4 * 69 and rows_on == 69 + 3 * 5
+
+
+def test_only_a_new_cache_waits_and_only_for_a_longer_prefix_of_its_own_namespace():
+    prefix = list(range(100, 164))
+    other_namespace = prefix_namespace("per-key", "key-2", None)
+
+    def call(session_id: str, context: list[int], namespace=NAMESPACE) -> PendingCall:
+        return PendingCall(_block(session_id, context, [], GREEDY, namespace), 0.0, None)  # type: ignore[arg-type]
+
+    leader, follower = call("a", prefix + [1]), call("b", prefix + [2])
+    stranger, unshared, own_cache = call("c", prefix + [3], other_namespace), call("d", prefix + [4], None), call("e", prefix + [5])
+    short = call("f", prefix[:10] + [6])  # shares less than a block more than it has
+    queue = [leader, follower, stranger, unshared, own_cache, short]
+    waiting = waiting_for_shared_prefix(queue, lambda block: 0, lambda session_id: session_id == "e")
+    assert waiting == {id(follower)}
+
+    # Once the leader's cache holds the shared 64 tokens, every call of its namespace can copy
+    # them (the store's hit), and nobody waits.
+    def copied(block) -> int:
+        return 64 if block.cache_namespace == NAMESPACE and block.session_id != "f" else 0
+
+    assert waiting_for_shared_prefix(queue, copied, lambda session_id: session_id == "a") == set()

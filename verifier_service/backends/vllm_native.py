@@ -34,7 +34,7 @@ from gateway.errors import InvalidRequestError, ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
 from verifier_service.backends.vllm_backend import VllmBackend
-from verifier_service.backends.vllm_requests import engine_queue_seconds, flat_entries, token_prompt, top_entries, vllm_cache_salt
+from verifier_service.backends.vllm_requests import chosen_logprob, engine_queue_seconds, token_prompt, top_entries, vllm_cache_salt
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 
@@ -61,15 +61,15 @@ def native_params(request: GenerationRequest) -> Any:
 
 
 def delta_tokens(completion: Any, num_top_logprobs: int | None) -> GeneratedTokens:
-    """One DELTA CompletionOutput -> its new tokens, with logprobs when asked (the chosen token
-    is listed first in each position of vLLM's FlatLogprobs, then the top-N in rank order)."""
+    """One DELTA CompletionOutput -> its new tokens, with logprobs when asked (each position of
+    vLLM's FlatLogprobs lists the chosen token and the top-N in rank order: ``top_entries``)."""
     token_ids = list(completion.token_ids)
     if num_top_logprobs is None:
         return GeneratedTokens(token_ids)
     flat = completion.logprobs
     if flat is None or len(flat) != len(token_ids):
         raise RuntimeError("vLLM returned no logprobs, or not one position per token, for a request that asked for them")
-    logprobs = [flat_entries(flat, index)[1][0] for index in range(len(token_ids))]
+    logprobs = [chosen_logprob(flat, index, token_id) for index, token_id in enumerate(token_ids)]
     top_logprobs: list[TopLogprobs] = [top_entries(flat, index, num_top_logprobs) for index in range(len(token_ids))]
     return GeneratedTokens(token_ids, logprobs, top_logprobs)
 

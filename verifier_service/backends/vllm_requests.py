@@ -58,13 +58,25 @@ def top1_entry(flat: Any, index: int) -> RowEntry:
 
 
 def top_entries(flat: Any, index: int, num_top: int) -> list[tuple[int, float]]:
-    """The ``num_top`` most likely (token id, raw logprob) of one position, most likely first: the
-    entries after the first (the prompt's or sampled token, listed first whatever its rank), in
-    vLLM's top-k order. The request must have asked for at least ``num_top``."""
+    """The ``num_top`` most likely (token id, raw logprob) of one position, most likely first, in
+    vLLM's top-k order. The request must have asked for at least ``num_top``. vLLM lists the
+    prompt's or sampled token first whatever its rank, then the top-k (ranks r, 1, 2, ...); its
+    0.32 decode loop sometimes lists a rank-1 sampled token once (ranks 1, 2, ...): the top-k
+    alone. Told apart by the second entry's rank."""
+    token_ids, logprobs, ranks = flat_entries(flat, index)
+    listed = list(zip(token_ids, logprobs, strict=True))
+    alternatives = listed[1:] if len(ranks) > 1 and ranks[1] == 1 else listed
+    if len(alternatives) < num_top:
+        raise RuntimeError(f"vLLM returned {len(alternatives)} alternatives at position {index}, not {num_top}")
+    return alternatives[:num_top]
+
+
+def chosen_logprob(flat: Any, index: int, token_id: int) -> float:
+    """The raw logprob of ``token_id``, the token chosen at one position (listed among its entries)."""
     token_ids, logprobs, _ = flat_entries(flat, index)
-    if len(token_ids) < num_top + 1:
-        raise RuntimeError(f"vLLM returned {len(token_ids) - 1} alternatives at position {index}, not {num_top}")
-    return list(zip(token_ids[1 : num_top + 1], logprobs[1 : num_top + 1], strict=True))
+    if token_id not in token_ids:
+        raise RuntimeError(f"vLLM listed no logprob for the chosen token {token_id} at position {index}")
+    return logprobs[token_ids.index(token_id)]
 
 
 def sampled_entry(output: Any) -> RowEntry:

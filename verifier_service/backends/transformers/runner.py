@@ -86,6 +86,14 @@ class ModelRunner:
     def num_cached_sessions(self) -> int:
         return len(self._caches)
 
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.prefixes is not None
+
+    def has_cache(self, session_id: str) -> bool:
+        """Whether the session has a cache of its own (else its next forward starts one)."""
+        return session_id in self._caches
+
     def release(self, session_id: str, retain: bool = True) -> None:
         """Drop the session's cache; with ``retain`` it may stay a shared prefix's source."""
         entry = self._caches.pop(session_id, None)

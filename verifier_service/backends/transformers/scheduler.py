@@ -25,6 +25,12 @@ costs less than the forward's fixed part it saves (``hold_rule`` "cost", scaled 
 ``hold_scale``), or, with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the
 forward's expected time: N edges' calls then meet in one forward instead of alternating.
 
+Shared prefixes arriving together: a call that would start its session's cache (a new
+session's prompt) while an earlier queued call of its namespace is still prefilling a longer
+common prefix waits until that prefix is cached (``waiting_for_shared_prefix``), then copies it:
+eight users of one system prompt arriving at once prefill it once, not eight times, and each
+reaches its first token after the shared prefill plus its own suffix.
+
 Advice: after each forward, every answered call's session gets ``advice.advised_lengths`` for
 its next block (the verifier's limit while the target is not saturated).
 """
@@ -37,6 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from spade_models.kv_cache import common_prefix_length
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, ForwardRecord
 from verifier_service.backends.transformers.advice import (
     SATURATION,
@@ -46,6 +53,7 @@ from verifier_service.backends.transformers.advice import (
     advised_lengths,
 )
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
+from verifier_service.backends.transformers.prefix_store import BLOCK_TOKENS
 from verifier_service.backends.transformers.runner import ModelRunner, Share, ShareResult
 
 MIN_CHUNK_ROWS = 16
@@ -134,6 +142,42 @@ def plan_forward(
             sessions.add(call.block.session_id)
             budget -= min(need, budget)
     return shares
+
+
+def waiting_for_shared_prefix(
+    queue: list[PendingCall], cached_length: Callable[[BlockToVerify], int], has_cache: Callable[[str], bool]
+) -> set[int]:
+    """The calls (``id``s) to leave out of the next forward because an earlier queued call of
+    their namespace is still prefilling at least one more block of their context than is cached
+    for them now: once it has, they copy it (``runner``'s prefix cache) instead of computing it
+    again. Only calls that would start their session's cache wait, and only behind calls that
+    do not wait themselves, so the earliest always runs. Example: A (1,000-token system prompt +
+    question a) and B (same prompt + question b) arrive together: B waits while A's chunks feed
+    the prompt, then starts from a copy of it and feeds question b only."""
+    leaders: list[tuple[BlockToVerify, int]] = []
+    """(block, context tokens cached for it) of the calls that run."""
+    waiting: set[int] = set()
+    for call in queue:
+        block = call.block
+        if block.cache_namespace is None:
+            continue
+        cached = cached_length(block)
+        if not has_cache(block.session_id) and any(
+            _prefills_more_of(leader, leader_cached, block, cached) for leader, leader_cached in leaders
+        ):
+            waiting.add(id(call))
+            continue
+        leaders.append((block, cached))
+    return waiting
+
+
+def _prefills_more_of(leader: BlockToVerify, leader_cached: int, block: BlockToVerify, cached: int) -> bool:
+    """Whether ``leader``'s prefill will cache at least one more block of ``block``'s context
+    than the ``cached`` tokens it can copy now."""
+    if leader.cache_namespace != block.cache_namespace:
+        return False
+    shared = min(common_prefix_length(leader.context_token_ids, block.context_token_ids), len(leader.context_token_ids) - 1)
+    return leader_cached < shared and shared - cached >= BLOCK_TOKENS
 
 
 def feeds_big_chunk(planned: list[tuple[PendingCall, int]], need_of: Callable[[PendingCall], int], limits: SchedulerLimits) -> bool:
@@ -237,7 +281,7 @@ class Scheduler:
         while self._queue:
             await self._gather()
             self._drop_abandoned()
-            planned = plan_forward(self._queue, self._need, self.limits, self._after_chunk)
+            planned = plan_forward(self._ready(), self._need, self.limits, self._after_chunk)
             if not planned:
                 continue
             self._after_chunk = feeds_big_chunk(planned, self._need, self.limits)
@@ -253,6 +297,13 @@ class Scheduler:
                         self._queue.remove(call)
                         self._release_if_forgotten(call)
                     settle(call.future, error=error)
+
+    def _ready(self) -> list[PendingCall]:
+        """The queue but the calls waiting for a shared prefix another call is prefilling."""
+        if not self._runner.shares_prefixes:
+            return self._queue
+        waiting = waiting_for_shared_prefix(self._queue, self._runner.cached_length, self._runner.has_cache)
+        return [call for call in self._queue if id(call) not in waiting]
 
     def _drop_abandoned(self) -> None:
         """Calls whose caller left cost nothing more; a released session's partial prefill goes too."""
