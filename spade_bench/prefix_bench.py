@@ -165,9 +165,9 @@ def summary(records: list[FirstToken]) -> list[str]:
         lines.append("")
         lines.append("All at once, per user: prefilled tokens and time to the first token, on | off")
         ons, offs = [r for r in together if r.cache == "on"], [r for r in together if r.cache == "off"]
-        for on, off in zip(ons, offs, strict=True):
-            on_text = f"{on.prefilled_tokens} of {on.prompt_tokens}, {on.ttft_s:.2f} s"
-            lines.append(f"  {on.request}: {on_text} | {off.prefilled_tokens}, {off.ttft_s:.2f} s")
+        for user_on, user_off in zip(ons, offs, strict=True):
+            on_text = f"{user_on.prefilled_tokens} of {user_on.prompt_tokens}, {user_on.ttft_s:.2f} s"
+            lines.append(f"  {user_on.request}: {on_text} | {user_off.prefilled_tokens}, {user_off.ttft_s:.2f} s")
     return lines
 
 
