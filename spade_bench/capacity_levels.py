@@ -7,7 +7,10 @@
     target         N users streaming the same prompts from the verifier's /v1/chat/completions
 
 Each user runs session k mod len(sessions). The verifier's /metrics are read before and after:
-the level's row (``capacity_report.level_row``) takes their difference.
+the level's row (``capacity_report.level_row``) takes their difference. Every user's calls carry
+a ``cache_salt`` of their own: the verifier's prefix cache must not serve a prompt that an earlier
+level or mode prefilled (the same recorded prompts come back at every level), or the mode run
+second would skip prefills the first paid for.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ METRIC_NAMES = (
     "spade_verifier_generated_tokens_total",
     "spade_verifier_model_forwards_total",
     "spade_verifier_model_forward_rows_total",
+    "spade_verifier_prompt_tokens_total",
+    "spade_verifier_prefix_hit_tokens_total",  # 0 at every level: each user's calls have a salt of their own
 )
 
 
@@ -100,7 +105,7 @@ async def replay_user(client: httpx.AsyncClient, session: RecordedSession, rtt_s
     ttft_s, num_calls, mismatches, queue_ms, emitted, drafted = None, 0, 0, [], 0, 0
     for call in session.calls:
         await asyncio.sleep(call.think_s + rtt_s)
-        response = await client.post("/v1/verify", json=call.request | {"session_id": session_id})
+        response = await client.post("/v1/verify", json=call.request | {"session_id": session_id, "cache_salt": session_id})
         num_calls += 1
         if response.status_code != 200:  # the session left the recorded path (409): stop here
             mismatches += 1
@@ -129,6 +134,7 @@ async def target_user(client: httpx.AsyncClient, model: str, session: RecordedSe
         "seed": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "cache_salt": uuid.uuid4().hex,  # as the edges' sessions: no prefix cached by another run or mode
     }
     ttft_s, tokens = None, 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:

@@ -200,6 +200,7 @@ class EmulatedEdge:
             new_tokens=committed[known:],
             draft_tokens=block,
             sampling=WireSampling(temperature=0.0),
+            cache_salt=run.session_id,  # a prompt of its own: no prefix cached by another run or mode
         )
         sent_at = time.perf_counter()
         response = await client.post(

@@ -88,6 +88,7 @@ async def send_prompt(client: httpx.AsyncClient, prompt: list[int]) -> tuple[flo
         new_tokens=prompt,
         draft_tokens=[],
         sampling=WireSampling(temperature=0.0),
+        cache_salt=session_id,  # never served from a prefix cached earlier in the run
     )
     sent_at = time.perf_counter()
     response = await client.post(

@@ -99,6 +99,17 @@ def test_emulated_edges_stay_exact_at_any_draft_length(capacity_verifier_url, tr
     assert all(user.num_calls - 1 <= user.num_drafted <= max_block * (user.num_calls - 1) for user in users)
 
 
+def test_no_level_or_mode_is_served_a_prompt_another_prefilled(capacity_verifier_url, traced):
+    # Every level re-sends the recorded prompts: without a salt per user, the verifier's prefix
+    # cache would let the mode run second skip the prefills the first paid for.
+    setup = LevelSetup(policy=EdgePolicy("auto", max_draft_length=8))
+    for mode in (TARGET, SPADE, ADVICE, SPADE):
+        users, delta = asyncio.run(run_level(capacity_verifier_url, mode, traced, 2, setup))
+        assert [user.num_mismatches for user in users] == [0, 0]
+        assert delta["spade_verifier_prompt_tokens_total"] > 0
+        assert delta.get("spade_verifier_prefix_hit_tokens_total", 0) == 0
+
+
 # --- advice -------------------------------------------------------------------------------------
 
 
