@@ -409,6 +409,8 @@ class SlowRunner:
     """A stand-in for the model runner: every forward takes ``forward_s`` (sleeping, not
     computing) and answers each call with a bonus token; it records each forward's sessions."""
 
+    shares_prefixes = False
+
     def __init__(self, forward_s: float) -> None:
         self.forward_s = forward_s
         self.sessions_per_forward: list[int] = []
@@ -508,3 +510,29 @@ def test_a_failing_forward_reaches_every_caller_of_it_and_the_next_forward_runs(
     failed, verdict = asyncio.run(run())
     assert [str(error) for error in failed] == ["the forward failed"] * 2
     assert verdict.num_target_tokens == 3
+
+
+def test_a_fault_of_the_scheduler_itself_reaches_every_waiting_caller():
+    # A bug outside the forward (here the runner cannot tell a call's cached length) must fail
+    # the calls, not leave their callers waiting forever; the next call starts a fresh worker.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    class BrokenRunner(SlowRunner):
+        def cached_length(self, block: BlockToVerify) -> int:
+            raise RuntimeError("cannot read the cache")
+
+    async def run() -> list[BaseException | None]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(BrokenRunner(0.0), executor, SchedulerLimits(max_batch_sessions=4))
+            calls = [scheduler.submit(BlockToVerify(f"s{n}", [1, 2], [3], None, GREEDY), time.perf_counter()) for n in range(3)]
+            outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=10)
+            again = await asyncio.wait_for(
+                asyncio.gather(scheduler.submit(BlockToVerify("t", [1], [], None, GREEDY), 0.0), return_exceptions=True), 10
+            )
+            await scheduler.aclose()
+        return [*outcomes, *again]
+
+    outcomes = asyncio.run(run())
+    assert len(outcomes) == 4 and all(isinstance(outcome, RuntimeError) for outcome in outcomes)

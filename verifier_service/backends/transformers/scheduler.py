@@ -277,6 +277,16 @@ class Scheduler:
         return len(context) - self._runner.cached_length(call.block) + call.block.num_drafted
 
     async def _serve(self) -> None:
+        try:
+            await self._serve_queue()
+        except Exception as error:  # a fault of the scheduler itself: no caller may wait forever
+            for call in self._queue:
+                self._release_if_forgotten(call)
+                settle(call.future, error=error)
+            self._queue.clear()
+            raise
+
+    async def _serve_queue(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
             await self._gather()
