@@ -8,6 +8,7 @@ carries the token counts and our ``spade`` accounting.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -63,6 +64,9 @@ def stream_chat(client: OpenAI, model: str, messages: list[dict], generation: Ge
         seed=generation.seed,
         stream=True,
         stream_options={"include_usage": True},
+        # A prompt of its own: the same prompts come back for every mode, length and RTT, and a
+        # prefix cached by an earlier configuration (verifier or draft) would speed up the later ones.
+        extra_body={"cache_salt": uuid.uuid4().hex},
     )
     pieces: list[str] = []
     ttft_s = finish_reason = usage = spade = None
