@@ -428,18 +428,19 @@ class SlowRunner:
         return results, ForwardRecord(len(shares), len(shares) * 2 + len(self.sessions_per_forward) % 3, self.forward_s)
 
 
-def _alternating_edges(limits: SchedulerLimits) -> list[int]:
-    """Two edges, each calling again 30 ms after its answer (their first calls 60 ms apart),
-    against forwards of 150 ms; returns the sessions of each forward."""
+def _alternating_edges(limits: SchedulerLimits, gaps_s: tuple[float, ...] = (0.03,), num_calls: int = 8) -> list[int]:
+    """Two edges, each calling again ``gaps_s[i % len(gaps_s)]`` after its i-th answer (30 ms by
+    default; their first calls 60 ms apart), against forwards of 150 ms; returns the sessions of
+    each forward."""
     from concurrent.futures import ThreadPoolExecutor
 
     from verifier_service.backends.transformers.scheduler import Scheduler
 
     async def edge(scheduler, session_id: str, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
-        for _ in range(8):
+        for index in range(num_calls):
             await scheduler.submit(BlockToVerify(session_id, [1, 2], [3], None, GREEDY), time.perf_counter())
-            await asyncio.sleep(0.03)
+            await asyncio.sleep(gaps_s[index % len(gaps_s)])
 
     async def run() -> list[int]:
         runner = SlowRunner(0.15)
@@ -465,6 +466,81 @@ def test_holding_a_forward_lets_two_edges_share_their_forwards():
         # Once both edges' gaps are learnt (three forwards), every forward serves both, until the
         # edge that started first makes its last call alone.
         assert held.count(2) >= 5, rule
+
+
+def test_a_session_a_little_late_after_its_mean_gap_is_still_waited_for():
+    # Edges whose gap alternates between 10 and 70 ms (an edge's gap varies with its block
+    # length): half their calls come after their mean gap. A forward that waits only until the
+    # expected time leaves the late one behind, and the two fall out of phase again and again;
+    # awaited two mean deviations past it, they stay together.
+    jitter = (0.01, 0.07)
+    until_expected = _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_late_deviations=0.0), jitter, 12)
+    a_little_past = _alternating_edges(SchedulerLimits(max_batch_sessions=4), jitter, 12)
+    assert sum(until_expected) == sum(a_little_past) == 24
+    assert a_little_past.count(2) >= 7  # both, from their fourth or fifth round on
+    assert a_little_past.count(2) > until_expected.count(2)
+
+
+class KneeRunner:
+    """A stand-in runner whose forward of R rows takes 0.1 + 0.005 R s up to 9 rows and 0.03 s
+    a row past them (a CPU's knee, scaled down); a session's first call is its whole prompt."""
+
+    shares_prefixes = False
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.sessions_per_forward: list[int] = []
+
+    def cached_length(self, block: BlockToVerify) -> int:
+        return len(block.context_token_ids) - 1 if block.session_id in self.seen else 0
+
+    def run(self, shares: list[Share]):
+        from spade_core.acceptance import Acceptance
+        from verifier_service.backends.transformers.runner import ShareResult
+
+        rows = [len(share.block.context_token_ids) - self.cached_length(share.block) + share.block.num_drafted for share in shares]
+        num_rows = sum(rows)
+        forward_s = 0.1 + 0.005 * min(num_rows, 9) + 0.03 * max(0, num_rows - 9)
+        time.sleep(forward_s)
+        self.seen.update(share.block.session_id for share in shares)
+        self.sessions_per_forward.append(len(shares))
+        results = [ShareResult(n, Acceptance(share.block.num_drafted, 0, True)) for n, share in zip(rows, shares, strict=True)]
+        return results, ForwardRecord(len(shares), num_rows, forward_s)
+
+
+def test_prompts_past_the_knee_do_not_turn_holding_off():
+    # Two edges: a 30-token prompt each, then blocks of 1-3 drafted tokens, each drafted in
+    # 30 ms after a 20 ms round trip (the two edges' lengths out of step, so their calls drift
+    # apart unless a forward waits). Their blocks' forwards cost ~0.1 s of fixed part; the
+    # prompts' forwards far more per row (past the knee). Fitting one line through both made
+    # the fixed part look tiny and no hold worth it: the edges alternated. The line learns from
+    # block forwards.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    prompt = list(range(30))
+
+    async def edge(scheduler, session_id: str, delay_s: float, lengths: tuple[int, ...]) -> None:
+        await asyncio.sleep(delay_s)
+        await scheduler.submit(BlockToVerify(session_id, prompt, [], None, GREEDY), time.perf_counter())
+        for index in range(12):
+            num_drafted = lengths[index % len(lengths)]
+            await asyncio.sleep(0.02 + 0.03 * num_drafted)
+            context = prompt + [1] * (index + 1)
+            await scheduler.submit(BlockToVerify(session_id, context, [7] * num_drafted, None, GREEDY), time.perf_counter())
+
+    async def run() -> list[int]:
+        runner = KneeRunner()
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(runner, executor, SchedulerLimits(max_batch_sessions=4))
+            await asyncio.gather(edge(scheduler, "a", 0.0, (1, 2, 3)), edge(scheduler, "b", 0.3, (3, 1, 2)))
+            await scheduler.aclose()
+        return runner.sessions_per_forward
+
+    sessions_per_forward = asyncio.run(run())
+    assert sum(sessions_per_forward) == 26
+    assert sessions_per_forward.count(2) >= 6, sessions_per_forward
 
 
 def test_the_fraction_rule_at_zero_never_holds():

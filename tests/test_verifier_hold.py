@@ -80,3 +80,46 @@ def test_the_latest_session_worth_waiting_for_brings_the_sooner_ones_along():
     # ((0.37 - 0.056 * 2) / 2 = 0.129 s), but is for two of a row each ((0.74 - 0.056 * 2) / 3 = 0.209 s).
     assert latest_worth_holding([(0.15, 2)], AVX2_CPU, Sessions(1, 2), saturated=False) is None
     assert latest_worth_holding([(0.14, 1), (0.15, 1)], AVX2_CPU, Sessions(1, 2), saturated=False) == 0.15
+
+
+# --- when a session's next call is expected (``scheduler.expected_arrival``) -----------------------------
+
+
+def test_a_session_is_expected_after_its_mean_gap_and_awaited_a_little_past_it():
+    from verifier_service.backends.transformers.scheduler import GapEstimate, expected_arrival
+
+    gap = GapEstimate(mean_s=0.1, deviation_s=0.02)
+    early = expected_arrival(10.0, gap, 10.05, late_s=0.04)
+    assert early is not None and abs(early.expected_s - 0.05) < 1e-9 and abs(early.latest_s - 0.09) < 1e-9
+    late = expected_arrival(10.0, gap, 10.12, late_s=0.04)
+    assert late is not None and abs(late.latest_s - 0.02) < 1e-9 and abs(late.expected_s - 0.01) < 1e-9
+    assert expected_arrival(10.0, gap, 10.15, late_s=0.04) is None  # past its window: not awaited
+    assert expected_arrival(10.0, gap, 10.11, late_s=0.0) is None  # no window: the rule before
+    assert expected_arrival(10.0, GapEstimate(), 10.0, late_s=0.04) is None  # no gap known
+
+
+def test_gaps_learn_their_mean_and_spread():
+    from verifier_service.backends.transformers.scheduler import GapEstimate
+
+    gap = GapEstimate(decay=0.5)
+    for gap_s in (0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2):
+        gap.observe(gap_s)
+    assert 0.12 < gap.mean_s < 0.18
+    assert 0.03 < gap.deviation_s < 0.07
+    steady = GapEstimate(decay=0.5)
+    for _ in range(8):
+        steady.observe(0.1)
+    assert steady.mean_s == 0.1 and steady.deviation_s == 0.0
+
+
+def test_a_session_without_gaps_of_its_own_is_expected_after_the_typical_gap():
+    from verifier_service.backends.transformers.scheduler import GapEstimate, SessionPace
+
+    typical = GapEstimate(mean_s=0.2, deviation_s=0.05)
+    pace = SessionPace(answered_at=5.0)
+    arrival = pace.arrival(5.1, typical, late_deviations=2.0, max_late_s=1.0)
+    assert arrival is not None and abs(arrival.expected_s - 0.1) < 1e-9 and abs(arrival.latest_s - 0.2) < 1e-9
+    # The window past the expected time is bounded by the forward's fixed part.
+    arrival = pace.arrival(5.1, typical, late_deviations=2.0, max_late_s=0.03)
+    assert arrival is not None and abs(arrival.latest_s - 0.13) < 1e-9
+    assert SessionPace().arrival(5.1, typical, 2.0, 1.0) is None  # not answered: its call is not awaited

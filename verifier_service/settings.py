@@ -83,6 +83,14 @@ class VerifierSettings(ServiceSettings):
             " for a session whose next call is due within it; 0 = never hold."
         ),
     )
+    batch_hold_late_deviations: float = Field(
+        2.0,
+        ge=0,
+        description=(
+            "--backend transformers: a forward holding for a session waits this many mean deviations of its gaps past"
+            " its expected call (at most the forward's fixed part) before giving up on it; 0 = only until the expected time."
+        ),
+    )
     fast_kernels: bool = Field(
         True,
         description=(
@@ -164,6 +172,7 @@ class VerifierSettings(ServiceSettings):
             hold_rule=self.batch_hold_rule,
             hold_scale=self.batch_hold_scale,
             hold_fraction=self.batch_hold_fraction,
+            hold_late_deviations=self.batch_hold_late_deviations,
             max_draft_length=self.max_draft_length,
         )
 

@@ -19,11 +19,17 @@ chunk's forward (``max_forward_rows`` rows), and the prompt gets a big chunk eve
 A call whose caller went away is dropped before it costs a row.
 
 Holding (forwards that serve many sessions): the scheduler learns each session's gap between
-its answer and its next call, and the rows it fed. When a forward is about to start, it waits for
-the sessions not yet queued that are due soon while ``hold.latest_worth_holding`` says the wait
-costs less than the forward's fixed part it saves (``hold_rule`` "cost", scaled by
-``hold_scale``), or, with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the
-forward's expected time: N edges' calls then meet in one forward instead of alternating.
+its answer and its next call (mean and spread; a new session is expected after the gap typical of
+all), and the rows it fed. When a forward is about to start, it waits for the sessions not yet
+queued that are due soon while ``hold.latest_worth_holding`` says the expected wait costs less
+than the forward's fixed part it saves (``hold_rule`` "cost", scaled by ``hold_scale``), or,
+with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the forward's expected
+time: N edges' calls then meet in one forward instead of alternating. A session held for is
+awaited a little past its expected time (``hold_late_deviations`` of its gaps' spread, at most
+the fixed part): an edge's gap varies with its block length, and one that came 10 ms late after
+its mean would otherwise find the forward gone and fall out of phase. The forward cost line
+both the hold rule and the advice plan with is learnt from forwards of blocks alone
+(``feeds_blocks_only``): prompts' forwards, past the CPU's knee, would bend it.
 
 Shared prefixes arriving together: a call that would start its session's cache (a new
 session's prompt) while an earlier queued call of its namespace is still prefilling a longer
@@ -62,6 +68,8 @@ ACTIVE_S = 10.0
 """A session answered this recently, and not known to have ended, counts as active."""
 GAP_DECAY = 0.7
 """Weight of the earlier gaps in a session's expected gap between answer and next call."""
+TYPICAL_GAP_DECAY = 0.9
+"""The same for the gap of all sessions together (a session's guess until it has gaps of its own)."""
 HOLD_RULES = ("cost", "fraction")
 
 
@@ -83,6 +91,9 @@ class SchedulerLimits:
     """The "cost" rule's allowed wait is multiplied by this (0: never hold)."""
     hold_fraction: float = 0.25
     """The "fraction" rule: a forward waits up to this fraction of its expected time."""
+    hold_late_deviations: float = 2.0
+    """A session held for may come this many of its gaps' mean deviations after its expected
+    time (at most the forward's fixed part) and still be waited for; 0: only until then."""
     max_draft_length: int = 64
     """The verifier's longest draft: the advice never exceeds it."""
 
@@ -91,8 +102,8 @@ class SchedulerLimits:
             raise ValueError("scheduler limits must be positive")
         if self.batch_wait_s < 0 or not 0 <= self.hold_fraction <= 1:
             raise ValueError("batch_wait_s must be >= 0 and hold_fraction within [0, 1]")
-        if self.hold_rule not in HOLD_RULES or self.hold_scale < 0:
-            raise ValueError(f"hold_rule must be one of {', '.join(HOLD_RULES)} and hold_scale >= 0")
+        if self.hold_rule not in HOLD_RULES or self.hold_scale < 0 or self.hold_late_deviations < 0:
+            raise ValueError(f"hold_rule must be one of {', '.join(HOLD_RULES)}, hold_scale and hold_late_deviations >= 0")
 
 
 @dataclass
@@ -185,12 +196,65 @@ def feeds_big_chunk(planned: list[tuple[PendingCall, int]], need_of: Callable[[P
     return any(allowance > MIN_CHUNK_ROWS and need_of(call) > limits.max_block_rows for call, allowance in planned)
 
 
+def feeds_blocks_only(planned: list[tuple[PendingCall, int]], results: list[ShareResult]) -> bool:
+    """Whether a forward fed blocks alone (each call its drafted tokens and the one before them:
+    a verify call or a target-only step), no prompt rows. Only such forwards teach the cost line
+    ``t(R) = a + b R`` that holding and the advice plan with: a forward's cost bends up past the
+    CPU's knee, and the few long forwards of prompts would pull a line through all forwards to a
+    small fixed part and a steep slope, under which no forward ever seems worth holding and
+    every block too long (two prompts of 60 rows among 40 forwards of 4-10 rows: a = 0.09 s
+    instead of 0.24 on the AVX-512 box's curve)."""
+    return all(result.num_rows <= call.block.num_drafted + 1 for (call, _), result in zip(planned, results, strict=True))
+
+
+@dataclass
+class GapEstimate:
+    """Gaps between an answer and the next call: their moving mean and mean absolute deviation."""
+
+    decay: float = GAP_DECAY
+    mean_s: float | None = None
+    deviation_s: float = 0.0
+
+    def observe(self, gap_s: float) -> None:
+        if self.mean_s is None:
+            self.mean_s = gap_s
+            return
+        self.deviation_s = self.decay * self.deviation_s + (1 - self.decay) * abs(gap_s - self.mean_s)
+        self.mean_s = self.decay * self.mean_s + (1 - self.decay) * gap_s
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """When a session's next call should come, seen from now: its expected wait and the latest
+    wait still worth holding for (a call a little late is still likely to come)."""
+
+    expected_s: float
+    latest_s: float
+
+
+def expected_arrival(answered_at: float, gap: GapEstimate, now: float, late_s: float) -> Arrival | None:
+    """The next call of a session answered at ``answered_at``, whose gaps are ``gap``: due at
+    answered_at + the mean gap, still awaited until ``late_s`` after that. Past its expected
+    time, the expected wait is half of what is left of the window; past the window, None.
+
+    Example: answered at 10.0, mean gap 0.1, late_s 0.04: at 10.05 -> (0.05, 0.09); at 10.12 ->
+    (0.01, 0.02); at 10.15 -> None."""
+    if gap.mean_s is None:
+        return None
+    due_at = answered_at + gap.mean_s
+    latest_s = due_at + late_s - now
+    if latest_s < 0:
+        return None
+    expected_s = due_at - now if now <= due_at else latest_s / 2
+    return Arrival(expected_s, latest_s)
+
+
 @dataclass
 class SessionPace:
-    """When a session's next call is due: its last answer and its usual gap until the next call."""
+    """When a session's next call is due: its last answer and its gaps until the next call."""
 
     answered_at: float | None = None
-    gap_s: float | None = None
+    gap: GapEstimate = field(default_factory=GapEstimate)
     acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
     drafts: bool = False
     """The session has sent a drafted block (target-only steps never do)."""
@@ -198,17 +262,22 @@ class SessionPace:
     rows: int = 1
     """The rows its last answered call fed (what its next call is expected to add to a forward)."""
 
-    def arrived(self, now: float) -> None:
+    def arrived(self, now: float) -> float | None:
+        """The call came; returns the gap since its last answer (None for its first call)."""
         if self.answered_at is None:
-            return
-        gap = now - self.answered_at
-        self.gap_s = gap if self.gap_s is None else GAP_DECAY * self.gap_s + (1 - GAP_DECAY) * gap
-        self.answered_at = None
-
-    def due_at(self) -> float | None:
-        if self.answered_at is None or self.gap_s is None:
             return None
-        return self.answered_at + self.gap_s
+        gap_s = now - self.answered_at
+        self.gap.observe(gap_s)
+        self.answered_at = None
+        return gap_s
+
+    def arrival(self, now: float, typical: GapEstimate, late_deviations: float, max_late_s: float) -> Arrival | None:
+        """When its next call should come (None: not awaited); a session with no gap of its own
+        yet is expected after the gap typical of all sessions."""
+        if self.answered_at is None:
+            return None
+        gap = self.gap if self.gap.mean_s is not None else typical
+        return expected_arrival(self.answered_at, gap, now, min(late_deviations * gap.deviation_s, max_late_s))
 
 
 class Scheduler:
@@ -224,6 +293,7 @@ class Scheduler:
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._paces: dict[str, SessionPace] = {}
+        self._typical_gap = GapEstimate(TYPICAL_GAP_DECAY)
         self._cost = ForwardCost()
         self._busy = BusyFraction()
         self._after_chunk = False
@@ -231,7 +301,9 @@ class Scheduler:
 
     async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         future = asyncio.get_running_loop().create_future()
-        self._pace(block.session_id).arrived(queued_at)
+        gap_s = self._pace(block.session_id).arrived(queued_at)
+        if gap_s is not None:
+            self._typical_gap.observe(gap_s)
         self._queue.append(PendingCall(block, queued_at, future))
         self._ensure_worker()
         self._arrived.set()
@@ -299,7 +371,7 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 results, record = await loop.run_in_executor(self._executor, self._runner.run, shares)
-                self._account(record, started, time.perf_counter())
+                self._account(record, started, time.perf_counter(), feeds_blocks_only(planned, results))
                 self._answer([call for call, _ in planned], results, record, started)
             except Exception as error:  # every caller of the forward still waiting gets the error
                 for call, _ in planned:
@@ -345,8 +417,9 @@ class Scheduler:
             settle(call.future, verdict=verdict_of(call, result, record, started))
         self._advise(answered)
 
-    def _account(self, record: ForwardRecord, started: float, ended: float) -> None:
-        self._cost.observe(record.num_rows, record.model_s)
+    def _account(self, record: ForwardRecord, started: float, ended: float, blocks_only: bool) -> None:
+        if blocks_only:  # the cost line of the forwards the advice and the hold rule plan
+            self._cost.observe(record.num_rows, record.model_s)
         self._busy.observe(started, ended)
         if self.observe_forward is not None:
             self.observe_forward(record)
@@ -393,25 +466,31 @@ class Scheduler:
                 return
 
     def _hold_until(self) -> float | None:
-        """The latest due time of the sessions worth holding the next forward for, or None."""
+        """Until when the next forward waits for the sessions due soon worth holding for, or None:
+        the rule weighs their expected waits, and the forward then waits for them until the
+        latest of their arrival windows (it starts as soon as they are all queued)."""
         line = self._cost.line()
         if line is None:
             return None
         queued = {call.block.session_id for call in self._queue}
         rows = sum(min(self._need(call), self.limits.max_forward_rows) for call in self._queue)
         now = time.perf_counter()
-        due = [
-            (due_at - now, pace.rows)
+        late_deviations = self.limits.hold_late_deviations
+        arrivals = [
+            (arrival, pace.rows)
             for session_id, pace in self._paces.items()
-            if session_id not in queued and (due_at := pace.due_at()) is not None and now <= due_at
+            if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, line[0])) is not None
         ]
+        due = [(arrival.expected_s, rows) for arrival, rows in arrivals]
         if self.limits.hold_rule == "fraction":
             window = self.limits.hold_fraction * (line[0] + line[1] * rows)
             wait_s = max((wait for wait, _ in due if wait <= window), default=None)
         else:
             saturated = self._busy.fraction >= SATURATION
             wait_s = latest_worth_holding(due, line, Sessions(len(queued), rows), saturated, self.limits.hold_scale)
-        return None if wait_s is None else now + wait_s
+        if wait_s is None:
+            return None
+        return now + max(arrival.latest_s for arrival, _ in arrivals if arrival.expected_s <= wait_s)
 
 
 def verdict_of(call: PendingCall, result: ShareResult, record: ForwardRecord, started: float) -> BlockVerdict:
