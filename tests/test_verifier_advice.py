@@ -12,7 +12,8 @@ import pytest
 from verifier_service.backends.transformers.advice import (
     AcceptanceRate,
     BusyFraction,
-    ForwardCost,
+    CostLine,
+    ForwardCurve,
     advised_lengths,
 )
 from verifier_support import (
@@ -42,28 +43,28 @@ def test_expected_tokens_of_a_block():
 
 
 def test_below_the_knee_rows_are_nearly_free_and_blocks_stay_long():
-    assert advised_lengths({"a": 0.8, "b": 0.8}, (0.25, 0.0), 0, 64) == {"a": 64, "b": 64}
-    assert min(advised_lengths({"a": 0.8, "b": 0.8}, (0.25, 1e-6), 0, 64).values()) >= 40
+    assert advised_lengths({"a": 0.8, "b": 0.8}, CostLine(0.25, 0.0), 0, 64) == {"a": 64, "b": 64}
+    assert min(advised_lengths({"a": 0.8, "b": 0.8}, CostLine(0.25, 1e-6), 0, 64).values()) >= 40
 
 
 def test_past_the_knee_blocks_shorten_toward_one_row_per_token():
     alphas = {session: 0.75 for session in range(8)}
-    assert set(advised_lengths(alphas, (0.26, 0.03), 0, 64).values()) == {1}
-    assert set(advised_lengths(alphas, (0.26, 0.011), 0, 64).values()) == {3}
+    assert set(advised_lengths(alphas, CostLine(0.26, 0.03), 0, 64).values()) == {1}
+    assert set(advised_lengths(alphas, CostLine(0.26, 0.011), 0, 64).values()) == {3}
 
 
 def test_rows_go_to_the_sessions_whose_drafts_the_target_keeps():
     # The docstring's worked example: t(R) = 0.25 + 0.02 R.
-    assert advised_lengths({"a": 0.8, "b": 0.5}, (0.25, 0.02), 0, 64) == {"a": 6, "b": 1}
+    assert advised_lengths({"a": 0.8, "b": 0.5}, CostLine(0.25, 0.02), 0, 64) == {"a": 6, "b": 1}
 
 
 def test_the_advice_maximises_the_committed_tokens_per_second():
     # Brute force over every pair of lengths: none beats the advice.
-    alphas, cost = {"a": 0.85, "b": 0.6}, (0.3, 0.015)
+    alphas, cost = {"a": 0.85, "b": 0.6}, CostLine(0.3, 0.015)
 
     def rate(lengths: dict[str, int]) -> float:
         rows = sum(length + 1 for length in lengths.values())
-        return sum(expected_tokens(alphas[s], d) for s, d in lengths.items()) / (cost[0] + cost[1] * rows)
+        return sum(expected_tokens(alphas[s], d) for s, d in lengths.items()) / cost.seconds(rows)
 
     advice = advised_lengths(alphas, cost, 0, 32)
     best = max(rate({"a": a, "b": b}) for a in range(1, 33) for b in range(1, 33))
@@ -71,28 +72,57 @@ def test_the_advice_maximises_the_committed_tokens_per_second():
 
 
 def test_a_forward_already_long_with_a_prompt_chunk_makes_a_drafted_row_relatively_cheaper():
-    alone = advised_lengths({"a": 0.7}, (0.2, 0.01), 0, 64)["a"]
-    beside_a_prompt = advised_lengths({"a": 0.7}, (0.2, 0.01), 100, 64)["a"]
+    alone = advised_lengths({"a": 0.7}, CostLine(0.2, 0.01), 0, 64)["a"]
+    beside_a_prompt = advised_lengths({"a": 0.7}, CostLine(0.2, 0.01), 100, 64)["a"]
     assert beside_a_prompt > alone
 
 
 def test_the_advice_is_within_one_and_the_verifiers_limit():
-    assert advised_lengths({"a": 0.01}, (0.0001, 1.0), 0, 8) == {"a": 1}
-    assert advised_lengths({"a": 0.99}, (10.0, 0.0), 0, 8) == {"a": 8}
-    assert advised_lengths({}, (0.2, 0.01), 50, 8) == {}
+    assert advised_lengths({"a": 0.01}, CostLine(0.0001, 1.0), 0, 8) == {"a": 1}
+    assert advised_lengths({"a": 0.99}, CostLine(10.0, 0.0), 0, 8) == {"a": 8}
+    assert advised_lengths({}, CostLine(0.2, 0.01), 50, 8) == {}
 
 
-def test_the_forward_cost_is_a_line_through_recent_forwards():
-    cost = ForwardCost()
-    assert cost.line() is None
+def test_the_forward_cost_is_the_curve_measured_per_row_count():
+    cost = ForwardCurve()
+    assert not cost.is_known
     cost.observe(9, 0.43)
     cost.observe(9, 0.43)
-    assert cost.line() is None  # one row count: no slope yet
-    for rows in (5, 13, 20, 7):
-        cost.observe(rows, 0.25 + 0.02 * rows)
-    fixed_s, per_row_s = cost.line()
-    assert fixed_s == pytest.approx(0.25)
-    assert per_row_s == pytest.approx(0.02)
+    assert not cost.is_known  # one row count: no slope yet
+    # The docstring's example: 0.24, 0.26 and 0.38 s at 2, 6 and 12 rows.
+    cost = ForwardCurve()
+    for rows, seconds in ((2, 0.24), (6, 0.26), (12, 0.38)):
+        cost.observe(rows, seconds)
+    assert cost.is_known
+    assert cost.seconds(4) == pytest.approx(0.25)
+    assert cost.seconds(1) == pytest.approx(0.235)
+    assert cost.seconds(16) == pytest.approx(0.46)
+    assert cost.seconds(12) == pytest.approx(0.38)
+
+
+def test_the_curve_follows_a_cpus_knee_where_a_line_cannot():
+    # The AVX-512 box's forwards (spade_bench.rows_bench, 2026-12-04): ~6 ms a row up to 8
+    # rows, ~27 ms past them. Merging two forwards of 4 rows saves nearly a whole forward;
+    # merging two of 12 saves little; a drafted row below the knee is nearly free.
+    measured = {1: 0.231, 2: 0.247, 3: 0.253, 4: 0.238, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484}
+    cost = ForwardCurve(points=dict(measured))
+    assert cost.seconds(4) >= cost.seconds(3)  # the noisy 4-row point pooled with its neighbour
+    assert cost.seconds(4) + cost.seconds(4) - cost.seconds(8) > 0.2
+    assert cost.seconds(12) + cost.seconds(12) - cost.seconds(24) < 0.2
+    assert cost.seconds(7) - cost.seconds(6) < 0.01
+    assert cost.seconds(24) - cost.seconds(16) > 8 * 0.02
+    # The moving mean per row count follows a change of the machine's speed.
+    for _ in range(20):
+        cost.observe(16, 0.6)
+    assert cost.seconds(16) == pytest.approx(0.6, rel=0.02)
+
+
+def test_the_advice_keeps_blocks_long_below_the_knee_and_short_past_it():
+    measured = ForwardCurve(points={1: 0.231, 2: 0.247, 3: 0.253, 4: 0.238, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484})
+    two = advised_lengths({"a": 0.7, "b": 0.7}, measured, 0, 64)
+    eight = advised_lengths({session: 0.7 for session in range(8)}, measured, 0, 64)
+    assert min(two.values()) >= 3  # 2 sessions x 4 rows: below the knee
+    assert max(eight.values()) <= 1  # 8 sessions: already past it
 
 
 def test_acceptance_counts_the_rejected_draft_and_forgets_slowly():

@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import random
 
+from verifier_service.backends.transformers.advice import CostLine, ForwardCurve
 from verifier_service.backends.transformers.hold import Sessions, hold_is_worth, latest_worth_holding
 
-AVX2_CPU = (0.37, 0.056)
+AVX2_CPU = CostLine(0.37, 0.056)
 """t(R) = 0.37 + 0.056 R s: the 1.5B target's cost line on the AVX2 box (docs/benchmarks.md)."""
-GPU = (0.007, 0.00003)
+GPU = CostLine(0.007, 0.00003)
 """A small forward on a GPU: nearly all fixed part."""
 
 
-def summed_answer_times(hold: bool, wait_s: float, cost: tuple[float, float], queued: Sessions, due: Sessions, saturated: bool) -> float:
+def summed_answer_times(hold: bool, wait_s: float, cost: CostLine | ForwardCurve, queued: Sessions, due: Sessions, saturated: bool) -> float:
     """The two plans as timelines from now: the seconds until each session's answer, summed;
     saturated, plus what the queued sessions' next round then waits behind the due sessions'
     own forward (they are back before it ends)."""
-    fixed_s, per_row_s = cost
-
-    def forward_s(rows: int) -> float:
-        return fixed_s + per_row_s * rows
+    forward_s = cost.seconds
 
     if hold:
         return (queued.count + due.count) * (wait_s + forward_s(queued.rows + due.rows))
@@ -30,16 +28,23 @@ def summed_answer_times(hold: bool, wait_s: float, cost: tuple[float, float], qu
     return queued.count * (queued_answered + pushed) + due.count * due_answered
 
 
+def random_knee(rng: random.Random) -> ForwardCurve:
+    """A measured curve with a knee: nearly flat up to it, a row's arithmetic past it."""
+    fixed_s, knee = rng.uniform(0.001, 0.5), rng.randint(2, 16)
+    flat_s, steep_s = rng.uniform(0.0, 0.01), rng.uniform(0.01, 0.1)
+    return ForwardCurve(points={1: fixed_s, knee: fixed_s + flat_s * knee, 4 * knee: fixed_s + flat_s * knee + steep_s * 3 * knee})
+
+
 def test_the_rule_holds_exactly_when_holding_shortens_the_summed_answer_times():
     rng = random.Random(5)
-    for _ in range(2000):
-        cost = (rng.uniform(0.001, 0.5), rng.uniform(0.0, 0.1))
+    for _ in range(4000):
+        cost = CostLine(rng.uniform(0.001, 0.5), rng.uniform(0.0, 0.1)) if rng.random() < 0.5 else random_knee(rng)
         queued = Sessions(rng.randint(1, 8), 0)
         queued = Sessions(queued.count, queued.count * rng.randint(1, 9))
         due = Sessions(rng.randint(1, 8), 0)
         due = Sessions(due.count, due.count * rng.randint(1, 9))
         saturated = rng.random() < 0.5
-        wait_s = rng.uniform(0.0, cost[0] + cost[1] * queued.rows)  # due before the queued forward ends
+        wait_s = rng.uniform(0.0, cost.seconds(queued.rows))  # due before the queued forward ends
         held = summed_answer_times(True, wait_s, cost, queued, due, saturated)
         started = summed_answer_times(False, wait_s, cost, queued, due, saturated)
         if abs(held - started) > 1e-9:

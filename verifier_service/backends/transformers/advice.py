@@ -26,9 +26,10 @@ Everything here is pure arithmetic on plain numbers: the scheduler feeds it meas
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 K = TypeVar("K")
 
@@ -37,8 +38,10 @@ ACCEPTANCE_PRIOR = 0.6
 PRIOR_WEIGHT = 4.0
 ACCEPTANCE_DECAY = 0.9
 """Per verified block, the weight of what came before (recent blocks count most)."""
-COST_DECAY = 0.97
-"""Per forward, the weight of earlier forwards in the fit of t(R)."""
+CURVE_DECAY = 0.8
+"""Per forward of a row count, the weight of earlier forwards of that row count in t(R)."""
+EXACT_ROWS = 32
+"""Row counts t(R) keeps apart; longer forwards are filed by multiples of 8 rows."""
 SATURATION = 0.85
 """Busy fraction of the recent past above which the verifier is saturated."""
 BUSY_WINDOW_S = 4.0
@@ -63,28 +66,90 @@ class AcceptanceRate:
         return min(0.99, max(0.0, self.kept / self.judged))
 
 
-@dataclass
-class ForwardCost:
-    """t(R) = fixed_s + per_row_s * R, a least-squares line through recent forwards (R rows,
-    t seconds), exponentially weighted: the local slope of the real curve where the verifier
-    works now (below the knee nearly flat, past it the arithmetic of one more row)."""
+class ForwardTime(Protocol):
+    """t(R): the seconds of one forward over R rows."""
 
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    """Weighted sums of 1, R, R^2, t, R t."""
+    def seconds(self, num_rows: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class CostLine:
+    """t(R) = fixed_s + per_row_s * R."""
+
+    fixed_s: float
+    per_row_s: float
+
+    def seconds(self, num_rows: int) -> float:
+        return self.fixed_s + self.per_row_s * num_rows
+
+
+def row_bucket(num_rows: int) -> int:
+    """The row count a forward is filed under: itself up to 32 rows, then multiples of 8."""
+    return num_rows if num_rows <= EXACT_ROWS else 8 * round(num_rows / 8)
+
+
+@dataclass
+class ForwardCurve:
+    """t(R) as measured: per row count (``row_bucket``), the moving mean of recent forwards'
+    seconds; between row counts, straight lines; the points made non-decreasing in R first
+    (pooled where noise put a longer forward below a shorter one); past the largest row count
+    seen, the steeper of the last segment and the chord from the smallest. A CPU's forward is
+    nearly flat up to its knee and a row's full arithmetic past it (docs/benchmarks.md, the row
+    tables): no line fits both, and a line through forwards on both sides makes rows below the
+    knee look dear and merging forwards look cheap.
+
+    Example: forwards of 2, 6 and 12 rows took 0.24, 0.26 and 0.38 s -> t(4) = 0.25,
+    t(1) = 0.235, t(16) = 0.46 (the last segment's 0.02 s a row)."""
+
+    decay: float = CURVE_DECAY
+    points: dict[int, float] = field(default_factory=dict)
+    """Row count -> moving mean of the seconds of its forwards."""
+    _monotone: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False)
+    """``points`` sorted and made non-decreasing, until the next forward is observed."""
 
     def observe(self, num_rows: int, seconds: float) -> None:
-        terms = (1.0, num_rows, num_rows * num_rows, seconds, num_rows * seconds)
-        self.sums = [total * COST_DECAY + term for total, term in zip(self.sums, terms, strict=True)]
+        bucket = row_bucket(num_rows)
+        previous = self.points.get(bucket)
+        self.points[bucket] = seconds if previous is None else self.decay * previous + (1 - self.decay) * seconds
+        self._monotone = None
 
-    def line(self) -> tuple[float, float] | None:
-        """(fixed_s, per_row_s), or None until forwards of different row counts were seen."""
-        weight, rows, rows_squared, seconds, rows_seconds = self.sums
-        spread = weight * rows_squared - rows * rows
-        if weight < 2 or spread <= 1e-9 * max(1.0, weight * rows_squared):
-            return None
-        per_row_s = max(0.0, (weight * rows_seconds - rows * seconds) / spread)
-        fixed_s = max(1e-6, (seconds - per_row_s * rows) / weight)
-        return fixed_s, per_row_s
+    @property
+    def is_known(self) -> bool:
+        """Forwards of two row counts at least have been seen (before that, no slope)."""
+        return len(self.points) >= 2
+
+    def seconds(self, num_rows: int) -> float:
+        if not self.is_known:
+            raise ValueError("the forward curve needs forwards of two row counts first")
+        if self._monotone is None:
+            self._monotone = _monotone_points(self.points)
+        rows, times = self._monotone
+        if num_rows <= rows[0]:
+            slope = (times[1] - times[0]) / (rows[1] - rows[0])
+            return max(0.0, times[0] - slope * (rows[0] - num_rows))
+        if num_rows >= rows[-1]:
+            slope = max((times[-1] - times[-2]) / (rows[-1] - rows[-2]), (times[-1] - times[0]) / (rows[-1] - rows[0]))
+            return times[-1] + slope * (num_rows - rows[-1])
+        right = bisect.bisect_left(rows, num_rows)
+        left = right - 1
+        share = (num_rows - rows[left]) / (rows[right] - rows[left])
+        return times[left] + share * (times[right] - times[left])
+
+
+def _monotone_points(points: dict[int, float]) -> tuple[list[int], list[float]]:
+    """The points sorted by rows, their times made non-decreasing by pooling adjacent violators
+    (each pool takes its mean)."""
+    rows = sorted(points)
+    pools: list[tuple[float, int]] = []  # (mean time, points pooled)
+    for row in rows:
+        mean, count = points[row], 1
+        while pools and pools[-1][0] > mean:
+            previous_mean, previous_count = pools.pop()
+            mean = (previous_mean * previous_count + mean * count) / (previous_count + count)
+            count += previous_count
+        pools.append((mean, count))
+    times = [mean for mean, count in pools for _ in range(count)]
+    return rows, times
 
 
 @dataclass
@@ -108,11 +173,10 @@ class BusyFraction:
         return 0.0 if self.elapsed <= 0 else self.busy / self.elapsed
 
 
-def advised_lengths(alphas: dict[K, float], cost: tuple[float, float], other_rows: int, max_length: int) -> dict[K, int]:
+def advised_lengths(alphas: dict[K, float], cost: ForwardTime, other_rows: int, max_length: int) -> dict[K, int]:
     """Per session, the block length that maximises all sessions' committed tokens per second
-    under the forward cost ``cost`` = (fixed_s, per_row_s), with ``other_rows`` rows in the
-    forward besides the blocks (prompts being prefilled). Never below 1."""
-    fixed_s, per_row_s = cost
+    under the forward cost ``cost`` (t(R)), with ``other_rows`` rows in the forward besides the
+    blocks (prompts being prefilled). Never below 1."""
     lengths = dict.fromkeys(alphas, 0)
     rows = other_rows + len(alphas)
     tokens = float(len(alphas))
@@ -122,7 +186,7 @@ def advised_lengths(alphas: dict[K, float], cost: tuple[float, float], other_row
             break
         best = max(candidates, key=lambda session: alphas[session] ** (lengths[session] + 1))
         gain = alphas[best] ** (lengths[best] + 1)
-        if (tokens + gain) * (fixed_s + per_row_s * rows) <= tokens * (fixed_s + per_row_s * (rows + 1)):
+        if (tokens + gain) * cost.seconds(rows) <= tokens * cost.seconds(rows + 1):
             break
         lengths[best] += 1
         rows += 1

@@ -3,9 +3,12 @@
 Glossary:
     queued      the sessions whose calls wait for the next forward (Q of them, R_q rows)
     due         sessions not queued whose next call is expected within the wait w (D, R_d rows)
-    a, b        the forward cost line t(R) = a + b R (``advice.ForwardCost``): a is the fixed part
-                every forward pays (reading the weights: on this CPU ~0.37 s of a 0.43 s one-row
-                forward, on a GPU nearly all of a small forward), b each row's arithmetic
+    t(R)        a forward's seconds over R rows (``advice.ForwardCurve``, as measured)
+    S           what merging saves: t(R_q) + t(R_d) - t(R_q + R_d); on a line t(R) = a + b R it
+                is the fixed part a every forward pays (reading the weights: on the AVX2 CPU
+                ~0.37 s of a 0.43 s one-row forward, on a GPU nearly all of a small forward)
+    E           what the due rows add to the queued sessions' forward: t(R_q + R_d) - t(R_q)
+                (b R_d on a line: each row's arithmetic)
     saturated   the target's forwards follow each other (``advice.BusyFraction``)
 
 Two plans, the same rows either way:
@@ -14,14 +17,15 @@ Two plans, the same rows either way:
             their own: the queued answered after t(R_q), the due after t(R_q) + t(R_d)
     hold    wait w, then one forward for all: everyone answered after w + t(R_q + R_d)
 
-Summed over the sessions, hold - now = (Q + D) w - D a + Q b R_d: the due sessions gain a forward's
-fixed part less the wait, the queued pay the wait and the due sessions' rows. With the target
+Summed over the sessions, hold - now = (Q + D) w - D S + Q E: the due sessions gain what merging
+saves less the wait, the queued pay the wait and the due sessions' rows. With the target
 saturated the queued sessions' next calls arrive before the due sessions' own forward ends and
-wait for it: "now" costs them a + b R_d more in the next round, and hold - now = (Q + D)(w - a).
-So, saturated, hold while w < a: merging saves one forward's fixed part of target time, which is
-the committed tokens per second of all sessions (the same tokens in w + t(R_q + R_d) instead of
-t(R_q) + t(R_d)); once merged, their calls stay together. Not saturated, hold while
-(Q + D) w < D a - Q b R_d: past the knee (b large) a forward rarely waits for others' rows.
+wait for it: "now" costs them t(R_d) more in the next round, and hold - now = (Q + D)(w - S).
+So, saturated, hold while w < S: merging saves that much target time, which is the committed
+tokens per second of all sessions (the same tokens in w + t(R_q + R_d) instead of t(R_q) +
+t(R_d)); once merged, their calls stay together. Not saturated, hold while
+(Q + D) w < D S - Q E: past the knee (rows dear) a forward rarely waits for others' rows. On a
+measured curve S is large while R_q + R_d stays below the knee and shrinks past it.
 
 Everything here is pure arithmetic on plain numbers: the scheduler feeds it its measurements.
 """
@@ -29,6 +33,8 @@ Everything here is pure arithmetic on plain numbers: the scheduler feeds it its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from verifier_service.backends.transformers.advice import ForwardTime
 
 
 @dataclass(frozen=True)
@@ -39,22 +45,24 @@ class Sessions:
     rows: int
 
 
-def hold_is_worth(wait_s: float, cost: tuple[float, float], queued: Sessions, due: Sessions, saturated: bool, scale: float = 1.0) -> bool:
+def hold_is_worth(wait_s: float, cost: ForwardTime, queued: Sessions, due: Sessions, saturated: bool, scale: float = 1.0) -> bool:
     """Whether waiting ``wait_s`` for the ``due`` sessions beats running the ``queued`` ones now
-    (module docstring), under the forward cost ``cost`` = (fixed_s, per_row_s). ``scale``
-    multiplies the wait the rule allows (0: never hold)."""
+    (module docstring), under the forward cost ``cost`` (t(R)). ``scale`` multiplies the wait the
+    rule allows (0: never hold)."""
     if due.count == 0 or scale <= 0 or wait_s < 0:
         return False
-    fixed_s, per_row_s = cost
+    merged_s = cost.seconds(queued.rows + due.rows)
+    saving_s = cost.seconds(queued.rows) + cost.seconds(due.rows) - merged_s
     if saturated:
-        allowed_s = fixed_s
+        allowed_s = saving_s
     else:
-        allowed_s = (due.count * fixed_s - queued.count * per_row_s * due.rows) / (queued.count + due.count)
+        added_s = merged_s - cost.seconds(queued.rows)
+        allowed_s = (due.count * saving_s - queued.count * added_s) / (queued.count + due.count)
     return wait_s < scale * allowed_s
 
 
 def latest_worth_holding(
-    due: list[tuple[float, int]], cost: tuple[float, float], queued: Sessions, saturated: bool, scale: float = 1.0
+    due: list[tuple[float, int]], cost: ForwardTime, queued: Sessions, saturated: bool, scale: float = 1.0
 ) -> float | None:
     """Of the sessions due after ``due`` = [(wait_s, rows), ...], the longest wait worth holding
     the forward for: the due sessions are taken in order of their wait, all those due sooner

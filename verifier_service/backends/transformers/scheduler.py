@@ -27,9 +27,9 @@ with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the for
 time: N edges' calls then meet in one forward instead of alternating. A session held for is
 awaited a little past its expected time (``hold_late_deviations`` of its gaps' spread, at most
 the fixed part): an edge's gap varies with its block length, and one that came 10 ms late after
-its mean would otherwise find the forward gone and fall out of phase. The forward cost line
-both the hold rule and the advice plan with is learnt from forwards of blocks alone
-(``feeds_blocks_only``): prompts' forwards, past the CPU's knee, would bend it.
+its mean would otherwise find the forward gone and fall out of phase. The forward cost t(R)
+both the hold rule and the advice plan with is the curve measured per row count
+(``advice.ForwardCurve``), from forwards of blocks alone (``feeds_blocks_only``).
 
 Shared prefixes arriving together: a call that would start its session's cache (a new
 session's prompt) while an earlier queued call of its namespace is still prefilling a longer
@@ -55,7 +55,7 @@ from verifier_service.backends.transformers.advice import (
     SATURATION,
     AcceptanceRate,
     BusyFraction,
-    ForwardCost,
+    ForwardCurve,
     advised_lengths,
 )
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
@@ -198,12 +198,12 @@ def feeds_big_chunk(planned: list[tuple[PendingCall, int]], need_of: Callable[[P
 
 def feeds_blocks_only(planned: list[tuple[PendingCall, int]], results: list[ShareResult]) -> bool:
     """Whether a forward fed blocks alone (each call its drafted tokens and the one before them:
-    a verify call or a target-only step), no prompt rows. Only such forwards teach the cost line
-    ``t(R) = a + b R`` that holding and the advice plan with: a forward's cost bends up past the
-    CPU's knee, and the few long forwards of prompts would pull a line through all forwards to a
-    small fixed part and a steep slope, under which no forward ever seems worth holding and
-    every block too long (two prompts of 60 rows among 40 forwards of 4-10 rows: a = 0.09 s
-    instead of 0.24 on the AVX-512 box's curve)."""
+    a verify call or a target-only step), no prompt rows. Only such forwards teach the cost
+    curve t(R) that holding and the advice plan with: a prompt's forward also pays its rows'
+    attention over a context built in the same forward, and its few long forwards are not the
+    ones being planned. (Before the measured curve, a line fitted through all forwards let two
+    prompts of 60 rows among 40 forwards of 4-10 rows pull its fixed part to 0.09 s instead of
+    0.24 on the AVX-512 box: no forward seemed worth holding.)"""
     return all(result.num_rows <= call.block.num_drafted + 1 for (call, _), result in zip(planned, results, strict=True))
 
 
@@ -294,7 +294,7 @@ class Scheduler:
         self._worker: asyncio.Task | None = None
         self._paces: dict[str, SessionPace] = {}
         self._typical_gap = GapEstimate(TYPICAL_GAP_DECAY)
-        self._cost = ForwardCost()
+        self._cost = ForwardCurve()
         self._busy = BusyFraction()
         self._after_chunk = False
         """The last forward fed a big chunk of a prompt (``plan_forward``)."""
@@ -418,7 +418,7 @@ class Scheduler:
         self._advise(answered)
 
     def _account(self, record: ForwardRecord, started: float, ended: float, blocks_only: bool) -> None:
-        if blocks_only:  # the cost line of the forwards the advice and the hold rule plan
+        if blocks_only:  # the cost curve of the forwards the advice and the hold rule plan
             self._cost.observe(record.num_rows, record.model_s)
         self._busy.observe(started, ended)
         if self.observe_forward is not None:
@@ -426,8 +426,7 @@ class Scheduler:
 
     def _advise(self, answered: list[str]) -> None:
         """Each answered session's next block length, from all active sessions' acceptance."""
-        line = self._cost.line()
-        if line is None or self._busy.fraction < SATURATION:
+        if not self._cost.is_known or self._busy.fraction < SATURATION:
             for session_id in answered:
                 if session_id in self._paces:
                     self._paces[session_id].advice = self.limits.max_draft_length
@@ -437,7 +436,7 @@ class Scheduler:
         prefill_rows = sum(max(0, self._need(call) - self.limits.max_block_rows) for call in self._queue)
         # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
         other_rows = min(prefill_rows, self.limits.max_forward_rows) + sum(not pace.drafts for pace in active)
-        lengths = advised_lengths(alphas, line, other_rows, self.limits.max_draft_length)
+        lengths = advised_lengths(alphas, self._cost, other_rows, self.limits.max_draft_length)
         for session_id in answered:
             pace = self._paces.get(session_id)
             if pace is not None:
@@ -469,8 +468,8 @@ class Scheduler:
         """Until when the next forward waits for the sessions due soon worth holding for, or None:
         the rule weighs their expected waits, and the forward then waits for them until the
         latest of their arrival windows (it starts as soon as they are all queued)."""
-        line = self._cost.line()
-        if line is None:
+        cost = self._cost
+        if not cost.is_known:
             return None
         queued = {call.block.session_id for call in self._queue}
         rows = sum(min(self._need(call), self.limits.max_forward_rows) for call in self._queue)
@@ -479,15 +478,15 @@ class Scheduler:
         arrivals = [
             (arrival, pace.rows)
             for session_id, pace in self._paces.items()
-            if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, line[0])) is not None
+            if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, cost.seconds(1))) is not None
         ]
         due = [(arrival.expected_s, rows) for arrival, rows in arrivals]
         if self.limits.hold_rule == "fraction":
-            window = self.limits.hold_fraction * (line[0] + line[1] * rows)
+            window = self.limits.hold_fraction * cost.seconds(rows)
             wait_s = max((wait for wait, _ in due if wait <= window), default=None)
         else:
             saturated = self._busy.fraction >= SATURATION
-            wait_s = latest_worth_holding(due, line, Sessions(len(queued), rows), saturated, self.limits.hold_scale)
+            wait_s = latest_worth_holding(due, cost, Sessions(len(queued), rows), saturated, self.limits.hold_scale)
         if wait_s is None:
             return None
         return now + max(arrival.latest_s for arrival, _ in arrivals if arrival.expected_s <= wait_s)
