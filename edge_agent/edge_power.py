@@ -23,6 +23,12 @@ from typing import Literal
 
 EdgePower = Literal["performance", "balanced", "saver"]
 
+DEFAULT_EDGE_POWER: EdgePower = "performance"
+"""The default: on the measured machine (docs/benchmarks.md, "Run J") every mode that drafts ahead
+less lost 3-9 % of the speed (balanced 0.91x at RTT 20 ms, 0.97x at 100 ms over three runs;
+saver as fast as balanced for less CPU), so the default keeps the speed and a battery-bound edge
+chooses ``saver``."""
+
 MIN_SAVING_PER_CPU_S: Mapping[str, float] = MappingProxyType({"performance": 0.0, "balanced": 0.5, "saver": math.inf})
 """Seconds of the user's wait a CPU-second of drafting ahead must be expected to save, per
 ``--edge-power``. ``performance`` is not asked at all (it drafts ahead under every verify call,
@@ -59,7 +65,7 @@ class DraftAheadPolicy:
     (timings are the machines' and the link's, shared by every request), and the acceptance
     prior a request starts from. Each request asks its own ``for_request()``."""
 
-    power: EdgePower = "balanced"
+    power: EdgePower = DEFAULT_EDGE_POWER
     smoothing: float = 0.2
     draft_s_per_token: float = 0.02
     round_trip_s: float = 0.1

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from edge_agent.draft_length import DraftLengthPolicy, draft_length_policy, parse_draft_length
-from edge_agent.edge_power import DraftAheadPolicy, EdgePower
+from edge_agent.edge_power import DEFAULT_EDGE_POWER, DraftAheadPolicy, EdgePower
 from gateway.settings import ServiceSettings
 
 if TYPE_CHECKING:  # the client pulls in torch via the drafter (edge_agent.drafter); --help must not
@@ -57,7 +57,7 @@ class EdgeSettings(ServiceSettings):
         ),
     )
     edge_power: EdgePower = Field(
-        "balanced",
+        DEFAULT_EDGE_POWER,
         description=(
             "How far the edge drafts ahead while a verify call is in flight (with --overlap), CPU against wait: "
             "'performance' drafts ahead under every call; 'balanced' only where a CPU-second of it is expected to "

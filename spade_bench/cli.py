@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from edge_agent.edge_power import DEFAULT_EDGE_POWER
 from gateway.cli import add_version_argument, plain_text
 from spade_bench.config import DRAFT_BACKENDS, EDGE_POWERS, MODES, BenchConfig, ModelPair, NetworkSweep, Placement
 from spade_bench.data import DataSelection, load_items
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--edge-power",
         type=_csv,
         default=BenchConfig.edge_powers,
-        help=f"comma list of the edge's --edge-power among {', '.join(EDGE_POWERS)}: how far it drafts ahead (default balanced)",
+        help=f"comma list of the edge's --edge-power among {', '.join(EDGE_POWERS)}: how far it drafts ahead (default {DEFAULT_EDGE_POWER})",
     )
     parser.add_argument(
         "--concurrency", type=int, default=1, help="requests sent at once through one edge (and to target-only) (default 1)"

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from edge_agent.draft_length import parse_draft_length
+from edge_agent.edge_power import DEFAULT_EDGE_POWER
 from spade_bench.data import DataSelection
 from spade_bench.records import EdgeVariant
 
@@ -103,7 +104,7 @@ class BenchConfig:
     """Values of the edge's ``--draft-backend`` (auto, llamacpp, transformers); one edge each."""
     overlaps: tuple[bool, ...] = (True,)
     """Whether the edge drafts while a block is verified (``--overlap``); both to compare."""
-    edge_powers: tuple[str, ...] = ("balanced",)
+    edge_powers: tuple[str, ...] = (DEFAULT_EDGE_POWER,)
     """Values of the edge's ``--edge-power`` (performance, balanced, saver); one edge each."""
     concurrency: int = 1
     """Requests sent at once through one edge (or to target-only): items run in batches of this many."""

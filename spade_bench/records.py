@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from edge_agent.edge_power import DEFAULT_EDGE_POWER
+
 
 @dataclass(frozen=True)
 class EdgeVariant:
@@ -24,13 +26,13 @@ class EdgeVariant:
 
     draft_backend: str = "auto"
     overlap: bool = True
-    edge_power: str = "balanced"
+    edge_power: str = DEFAULT_EDGE_POWER
 
     @property
     def suffix(self) -> str:
         """What a phase's label adds for this variant: nothing for the edge's defaults."""
         backend = "" if self.draft_backend == "auto" else f"-{self.draft_backend}"
-        power = "" if self.edge_power == "balanced" else f"-{self.edge_power}"
+        power = "" if self.edge_power == DEFAULT_EDGE_POWER else f"-{self.edge_power}"
         return backend + ("" if self.overlap else "-in-turn") + power
 
     @property

@@ -106,7 +106,7 @@ def test_edge_variants_name_what_differs_from_the_edges_defaults():
         "--overlap",
         "false",
         "--edge-power",
-        "balanced",
+        "performance",
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 import openai
 import pytest
 
+from edge_agent.edge_power import DEFAULT_EDGE_POWER
 from edge_support import edge_app, verifier_app
 from greedy_support import TINY_PAIR_CASES, Output, generate
 from servers import serve
@@ -36,14 +37,14 @@ def target_outputs(verifier_url) -> dict[str, Output]:
 
 
 EDGE_VARIANTS = (
-    [(length, True, True, "balanced") for length in DRAFT_LENGTHS]
-    + [(length, False, True, "balanced") for length in ("1", "5", "auto")]
-    + [("3", True, False, "balanced"), ("5", False, False, "balanced")]
+    [(length, True, True, DEFAULT_EDGE_POWER) for length in DRAFT_LENGTHS]
+    + [(length, False, True, DEFAULT_EDGE_POWER) for length in ("1", "5", "auto")]
+    + [("3", True, False, DEFAULT_EDGE_POWER), ("5", False, False, DEFAULT_EDGE_POWER)]
     + [
         (length, True, prefill_first, power)
         for length in ("2", "auto")
         for prefill_first in (True, False)
-        for power in ("performance", "saver")
+        for power in ("balanced", "saver")
     ]
 )
 """(draft length, overlap, prefill first, edge power): every length drafting ahead while verifying,
@@ -53,7 +54,7 @@ block; the other --edge-power modes, which change only when the edge drafts ahea
 
 def _variant_id(length: str, overlap: bool, prefill_first: bool, power: str) -> str:
     mode = f"{'overlap' if overlap else 'in-turn'}{'' if prefill_first else '-block-first'}"
-    return f"draft-{length}-{mode}" + ("" if power == "balanced" else f"-{power}")
+    return f"draft-{length}-{mode}" + ("" if power == DEFAULT_EDGE_POWER else f"-{power}")
 
 
 @pytest.fixture(scope="module", params=EDGE_VARIANTS, ids=[_variant_id(*variant) for variant in EDGE_VARIANTS])
