@@ -102,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--edge-power",
         type=_csv,
         default=BenchConfig.edge_powers,
-        help=f"comma list of the edge's --edge-power among {', '.join(EDGE_POWERS)}: how far it drafts ahead (default {DEFAULT_EDGE_POWER})",
+        help=(
+            f"comma list of the edge's --edge-power among {', '.join(EDGE_POWERS)}: how far it drafts ahead (default {DEFAULT_EDGE_POWER})"
+        ),
     )
     parser.add_argument(
         "--concurrency", type=int, default=1, help="requests sent at once through one edge (and to target-only) (default 1)"

@@ -14,7 +14,9 @@ GPU = CostLine(0.007, 0.00003)
 """A small forward on a GPU: nearly all fixed part."""
 
 
-def summed_answer_times(hold: bool, wait_s: float, cost: CostLine | ForwardCurve, queued: Sessions, due: Sessions, saturated: bool) -> float:
+def summed_answer_times(
+    hold: bool, wait_s: float, cost: CostLine | ForwardCurve, queued: Sessions, due: Sessions, saturated: bool
+) -> float:
     """The two plans as timelines from now: the seconds until each session's answer, summed;
     saturated, plus what the queued sessions' next round then waits behind the due sessions'
     own forward (they are back before it ends)."""
