@@ -429,24 +429,24 @@ class SlowRunner:
 
 
 def _alternating_edges(limits: SchedulerLimits, gaps_s: tuple[float, ...] = (0.03,), num_calls: int = 8) -> list[int]:
-    """Two edges, each calling again ``gaps_s[i % len(gaps_s)]`` after its i-th answer (30 ms by
-    default; their first calls 60 ms apart), against forwards of 150 ms; returns the sessions of
-    each forward."""
+    """Two edges, calling again ``gaps_s[i % len(gaps_s)]`` after their i-th answer (30 ms by
+    default; the second edge runs through ``gaps_s`` backwards; their first calls 60 ms apart),
+    against forwards of 150 ms; returns the sessions of each forward."""
     from concurrent.futures import ThreadPoolExecutor
 
     from verifier_service.backends.transformers.scheduler import Scheduler
 
-    async def edge(scheduler, session_id: str, delay_s: float) -> None:
+    async def edge(scheduler, session_id: str, delay_s: float, gaps: tuple[float, ...]) -> None:
         await asyncio.sleep(delay_s)
         for index in range(num_calls):
             await scheduler.submit(BlockToVerify(session_id, [1, 2], [3], None, GREEDY), time.perf_counter())
-            await asyncio.sleep(gaps_s[index % len(gaps_s)])
+            await asyncio.sleep(gaps[index % len(gaps)])
 
     async def run() -> list[int]:
         runner = SlowRunner(0.15)
         with ThreadPoolExecutor(max_workers=1) as executor:
             scheduler = Scheduler(runner, executor, limits)
-            await asyncio.gather(edge(scheduler, "a", 0.0), edge(scheduler, "b", 0.06))
+            await asyncio.gather(edge(scheduler, "a", 0.0, gaps_s), edge(scheduler, "b", 0.06, gaps_s[::-1]))
             await scheduler.aclose()
         return runner.sessions_per_forward
 
@@ -469,10 +469,10 @@ def test_holding_a_forward_lets_two_edges_share_their_forwards():
 
 
 def test_a_session_a_little_late_after_its_mean_gap_is_still_waited_for():
-    # Edges whose gap alternates between 10 and 70 ms (an edge's gap varies with its block
-    # length): half their calls come after their mean gap. A forward that waits only until the
-    # expected time leaves the late one behind, and the two fall out of phase again and again;
-    # awaited two mean deviations past it, they stay together.
+    # Edges whose gap alternates between 10 and 70 ms, out of step with each other (an edge's gap
+    # varies with its block length): each round one of them comes 30 ms after its mean gap. A
+    # forward that waits only until the expected time leaves the late one behind, and the two
+    # fall out of phase again and again; awaited two mean deviations past it, they stay together.
     jitter = (0.01, 0.07)
     until_expected = _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_late_deviations=0.0), jitter, 12)
     a_little_past = _alternating_edges(SchedulerLimits(max_batch_sessions=4), jitter, 12)
