@@ -117,6 +117,19 @@ def test_the_curve_follows_a_cpus_knee_where_a_line_cannot():
     assert cost.seconds(16) == pytest.approx(0.6, rel=0.02)
 
 
+def test_row_counts_not_seen_for_long_leave_the_curve():
+    cost = ForwardCurve()
+    cost.observe(40, 5.0)  # a forward long ago, on a slower moment of the machine
+    for index in range(600):
+        cost.observe(4 + index % 2, 0.24 + 0.01 * (index % 2))
+    assert 40 not in cost.points and sorted(cost.points) == [4, 5]
+    lonely = ForwardCurve()
+    lonely.observe(2, 0.2)
+    for _ in range(600):
+        lonely.observe(4, 0.25)
+    assert sorted(lonely.points) == [2, 4]  # two row counts stay, however old: the curve needs them
+
+
 def test_the_advice_keeps_blocks_long_below_the_knee_and_short_past_it():
     measured = ForwardCurve(points={1: 0.231, 2: 0.247, 3: 0.253, 4: 0.238, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484})
     two = advised_lengths({"a": 0.7, "b": 0.7}, measured, 0, 64)

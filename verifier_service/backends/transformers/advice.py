@@ -42,6 +42,9 @@ CURVE_DECAY = 0.8
 """Per forward of a row count, the weight of earlier forwards of that row count in t(R)."""
 EXACT_ROWS = 32
 """Row counts t(R) keeps apart; longer forwards are filed by multiples of 8 rows."""
+MAX_POINT_AGE = 500
+"""A row count not seen in this many forwards leaves t(R) (the machine's speed may have changed
+since), unless fewer than two would remain."""
 SATURATION = 0.85
 """Busy fraction of the recent past above which the verifier is saturated."""
 BUSY_WINDOW_S = 4.0
@@ -106,11 +109,20 @@ class ForwardCurve:
     """Row count -> moving mean of the seconds of its forwards."""
     _monotone: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False)
     """``points`` sorted and made non-decreasing, until the next forward is observed."""
+    _last_seen: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    """Row count -> the number of the forward that last updated it."""
+    _num_forwards: int = field(default=0, init=False, repr=False)
 
     def observe(self, num_rows: int, seconds: float) -> None:
         bucket = row_bucket(num_rows)
         previous = self.points.get(bucket)
         self.points[bucket] = seconds if previous is None else self.decay * previous + (1 - self.decay) * seconds
+        self._num_forwards += 1
+        self._last_seen[bucket] = self._num_forwards
+        stale = [row for row in self.points if self._num_forwards - self._last_seen.get(row, 0) > MAX_POINT_AGE]
+        for row in stale[: max(0, len(self.points) - 2)]:
+            del self.points[row]
+            self._last_seen.pop(row, None)
         self._monotone = None
 
     @property
