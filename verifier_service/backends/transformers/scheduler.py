@@ -474,13 +474,13 @@ class Scheduler:
         queued = {call.block.session_id for call in self._queue}
         rows = sum(min(self._need(call), self.limits.max_forward_rows) for call in self._queue)
         now = time.perf_counter()
-        late_deviations = self.limits.hold_late_deviations
+        late_deviations, max_late_s = self.limits.hold_late_deviations, cost.seconds(1)
         arrivals = [
             (arrival, pace.rows)
             for session_id, pace in self._paces.items()
-            if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, cost.seconds(1))) is not None
+            if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, max_late_s)) is not None
         ]
-        due = [(arrival.expected_s, rows) for arrival, rows in arrivals]
+        due = [(arrival.expected_s, session_rows) for arrival, session_rows in arrivals]
         if self.limits.hold_rule == "fraction":
             window = self.limits.hold_fraction * cost.seconds(rows)
             wait_s = max((wait for wait, _ in due if wait <= window), default=None)
