@@ -88,7 +88,7 @@ class VerifierSettings(ServiceSettings):
         ge=0,
         description=(
             "--backend transformers: a forward holding for a session waits this many mean deviations of its gaps past"
-            " its expected call (at most the forward's fixed part) before giving up on it; 0 = only until the expected time."
+            " its expected call (at most a one-row forward's time) before giving up on it; 0 = only until the expected time."
         ),
     )
     fast_kernels: bool = Field(

@@ -22,11 +22,11 @@ Holding (forwards that serve many sessions): the scheduler learns each session's
 its answer and its next call (mean and spread; a new session is expected after the gap typical of
 all), and the rows it fed. When a forward is about to start, it waits for the sessions not yet
 queued that are due soon while ``hold.latest_worth_holding`` says the expected wait costs less
-than the forward's fixed part it saves (``hold_rule`` "cost", scaled by ``hold_scale``), or,
+than merging the forwards saves (``hold_rule`` "cost", scaled by ``hold_scale``), or,
 with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the forward's expected
 time: N edges' calls then meet in one forward instead of alternating. A session held for is
 awaited a little past its expected time (``hold_late_deviations`` of its gaps' spread, at most
-the fixed part): an edge's gap varies with its block length, and one that came 10 ms late after
+a one-row forward): an edge's gap varies with its block length, and one that came 10 ms late after
 its mean would otherwise find the forward gone and fall out of phase. The forward cost t(R)
 both the hold rule and the advice plan with is the curve measured per row count
 (``advice.ForwardCurve``), from forwards of blocks alone (``feeds_blocks_only``).
@@ -93,7 +93,7 @@ class SchedulerLimits:
     """The "fraction" rule: a forward waits up to this fraction of its expected time."""
     hold_late_deviations: float = 2.0
     """A session held for may come this many of its gaps' mean deviations after its expected
-    time (at most the forward's fixed part) and still be waited for; 0: only until then."""
+    time (at most a one-row forward's time) and still be waited for; 0: only until then."""
     max_draft_length: int = 64
     """The verifier's longest draft: the advice never exceeds it."""
 
@@ -201,9 +201,7 @@ def feeds_blocks_only(planned: list[tuple[PendingCall, int]], results: list[Shar
     a verify call or a target-only step), no prompt rows. Only such forwards teach the cost
     curve t(R) that holding and the advice plan with: a prompt's forward also pays its rows'
     attention over a context built in the same forward, and its few long forwards are not the
-    ones being planned. (Before the measured curve, a line fitted through all forwards let two
-    prompts of 60 rows among 40 forwards of 4-10 rows pull its fixed part to 0.09 s instead of
-    0.24 on the AVX-512 box: no forward seemed worth holding.)"""
+    ones being planned."""
     return all(result.num_rows <= call.block.num_drafted + 1 for (call, _), result in zip(planned, results, strict=True))
 
 
