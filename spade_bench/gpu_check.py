@@ -8,8 +8,12 @@ weights, the output layer scaled so that greedy choices are clear of near-ties (
 ``tokenizers`` library; any generated id decodes).
 
     forward    one sequence over a cached context, r rows fed at once (r = 1 .. 512): the
-               linear layers' M is r, as in a batch of sessions whose rows sum to r; CUDA
-               events, medians. Where the time starts to grow is the knee.
+               linear layers' M is r, as in a batch of sessions whose rows sum to r; wall time
+               to a synchronised result, medians; in float32 and bfloat16. Where the time
+               starts to grow is the knee.
+    ragged     the verifier's own forward (``rows_bench``): R rows shared by S sessions, each
+               after its own cached context; what S sessions cost beyond R rows is the
+               per-session work (attention and its launches, one segment at a time).
     capacity   synthetic sessions: random prompts, the target's own greedy output (the
                verifier's, one empty-block call per token), and draft proposals that equal the
                target's token with probability --acceptance (else another token); then N
@@ -33,7 +37,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 QWEN_SHAPE = {
@@ -67,8 +71,11 @@ class CheckConfig:
     device: str = "cuda"
     dtype: str = "float32"
     tiny: bool = False
-    users: tuple[int, ...] = (1, 4, 8, 16)
+    users: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    forward_dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    ragged_rows: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128, 256)
+    ragged_sessions: tuple[int, ...] = (1, 8, 32)
     context_length: int = 1000
     num_sessions: int = 8
     prompt_tokens: int = 200
@@ -78,7 +85,7 @@ class CheckConfig:
     """The emulated edges' drafting time per token."""
     rtt_ms: float = 20.0
     prefill_tokens: int = 2000
-    batch_sessions: int = 16
+    batch_sessions: int = 32
 
     @property
     def shape(self) -> dict:
@@ -132,15 +139,34 @@ def build_model(config: CheckConfig, directory: Path) -> Path:
 # --- forward cost per row count -----------------------------------------------------------------
 
 
-def forward_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict[int, float]:
+def forward_costs(config: CheckConfig, model_dir: Path, dtype: str, repeats: int = 5) -> dict[int, float]:
     """Median ms of one forward of r rows over a cached context of ``context_length`` tokens."""
     import torch
 
     from spade_models.loader import ModelSource, load_model
 
-    model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model  # the verifier's own loader
+    model = load_model(ModelSource(str(model_dir)), config.device, dtype).model  # the verifier's own loader
     try:
         return {rows: statistics.median(seconds) * 1e3 for rows, seconds in _row_timings(config, model, repeats).items()}
+    finally:
+        del model
+        if config.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def ragged_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict[tuple[int, int], float]:
+    """Median wall ms of the verifier's ragged forward: (rows, sessions) -> ms, each session
+    after its own cached context of ``context_length`` tokens (``rows_bench``, fast mode)."""
+    import torch
+
+    from spade_bench.rows_bench import RowsBench, median_ms, run
+    from spade_models.loader import ModelSource, load_model
+
+    model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model
+    try:
+        bench = RowsBench(model, config.context_length, max(config.ragged_sessions))
+        timings = run(bench, None, ["fast"], list(config.ragged_rows), list(config.ragged_sessions), repeats)
+        return {(rows, sessions): median_ms(samples, 1) for (_, rows, sessions), samples in timings.items()}
     finally:
         del model
         if config.device.startswith("cuda"):
@@ -181,10 +207,25 @@ def _timed(call, device: str) -> float:
     return time.perf_counter() - started
 
 
-def forward_table(costs: dict[int, float]) -> str:
-    one = costs[min(costs)]
-    lines = ["| rows | ms per forward | × one row | ms per row |", "|---|---|---|---|"]
-    lines += [f"| {rows} | {ms:.2f} | {ms / one:.2f}× | {ms / rows:.3f} |" for rows, ms in sorted(costs.items())]
+def forward_table(costs_by_dtype: dict[str, dict[int, float]]) -> str:
+    """Per row count and dtype: ms per forward, and its multiple of one row's."""
+    dtypes = list(costs_by_dtype)
+    lines = ["| rows | " + " | ".join(f"{dtype} ms | × one row" for dtype in dtypes) + " |", "|---|" + "---|---|" * len(dtypes)]
+    for rows in sorted(costs_by_dtype[dtypes[0]]):
+        cells = []
+        for dtype in dtypes:
+            costs = costs_by_dtype[dtype]
+            cells.append(f"{costs[rows]:.2f} | {costs[rows] / costs[min(costs)]:.2f}×")
+        lines.append(f"| {rows} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ragged_table(costs: dict[tuple[int, int], float]) -> str:
+    """ms per ragged forward: row counts down, session counts across."""
+    rows_list = sorted({rows for rows, _ in costs})
+    sessions_list = sorted({sessions for _, sessions in costs})
+    lines = ["| rows | " + " | ".join(f"{count} sess. ms" for count in sessions_list) + " |", "|---|" + "---|" * len(sessions_list)]
+    lines += [f"| {rows} | " + " | ".join(f"{costs[(rows, count)]:.2f}" for count in sessions_list) + " |" for rows in rows_list]
     return "\n".join(lines)
 
 
@@ -274,13 +315,23 @@ def run_check(config: CheckConfig) -> dict:
     from spade_bench.services import start_service
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    step = _stepper(started)
+    step = _stepper(time.perf_counter())
+    results = CheckResults(config, {"config": {k: str(v) for k, v in vars(config).items()}})
     model_dir = build_model(config, config.output_dir / "model" if config.tiny else Path("/tmp/spade-gpu-check-model"))
     step("model built and saved")
-    costs = forward_costs(config, model_dir)
+    costs = {dtype: forward_costs(config, model_dir, dtype) for dtype in dict.fromkeys((config.dtype, *config.forward_dtypes))}
+    results.add(
+        {"forward_ms": costs[config.dtype], "forward_ms_by_dtype": costs},
+        f"Forward of r rows over a cached context of {config.context_length} tokens (medians):\n\n" + forward_table(costs),
+    )
     step("forward costs measured")
-    report: dict = {"config": {k: str(v) for k, v in vars(config).items()}, "forward_ms": costs}
+    ragged = ragged_costs(config, model_dir)
+    results.add(
+        {"ragged_ms": [{"rows": rows, "sessions": sessions, "ms": ms} for (rows, sessions), ms in sorted(ragged.items())]},
+        f"The verifier's ragged forward ({config.dtype}): R rows over S sessions, each after {config.context_length} cached "
+        "tokens (medians):\n\n" + ragged_table(ragged),
+    )
+    step("ragged forward costs measured")
     with start_service(verifier_spec(config, model_dir), 900) as verifier:
         step("verifier started")
         sessions = asyncio.run(synthetic_sessions(config, verifier.url, build_tokenizer(config.shape["vocab_size"])))
@@ -288,25 +339,39 @@ def run_check(config: CheckConfig) -> dict:
         setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16))
         asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
         rows = measure_levels(verifier, sessions, config.users, (TARGET, SPADE, ADVICE), setup)
-        step("capacity levels run")
-        prefill = InterferenceSetup(config.prefill_tokens, 4, rtt_s=setup.rtt_s, policy=EdgePolicy(8))
-        interference = asyncio.run(measure_interference(verifier.url, sessions, prefill))
-        step("prefill interference measured")
-    report |= {"rows": [row.to_dict() for row in rows], "prefill_interference": interference.to_dict()}
-    markdown = "\n\n".join(
-        [
-            f"# GPU check ({_device_name(config.device)}, {config.dtype}, {_shape_name(config)} shape, random weights)",
-            f"Forward of r rows over a cached context of {config.context_length} tokens (medians):\n\n" + forward_table(costs),
+        results.add(
+            {"rows": [row.to_dict() for row in rows]},
             f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
             f"draft acceptance {config.acceptance}, drafting {config.draft_ms:g} ms/token, RTT {config.rtt_ms:g} ms, "
             f"--max-batch-sessions {config.batch_sessions}, edges' draft length auto:\n\n" + markdown_table(rows, 1.0),
-            interference_table(interference),
-        ]
-    )
-    (config.output_dir / "gpu_check.md").write_text(markdown + "\n")
-    (config.output_dir / "gpu_check.json").write_text(json.dumps(report, indent=2))
-    print(markdown)
-    return report
+        )
+        step("capacity levels run")
+        prefill = InterferenceSetup(config.prefill_tokens, 4, rtt_s=setup.rtt_s, policy=EdgePolicy(8))
+        interference = asyncio.run(measure_interference(verifier.url, sessions, prefill))
+        results.add({"prefill_interference": interference.to_dict()}, interference_table(interference))
+        step("prefill interference measured")
+    print(results.markdown())
+    return results.report
+
+
+@dataclass
+class CheckResults:
+    """What the check has measured so far, rewritten to --output after every step (a step that
+    fails leaves the earlier ones' results)."""
+
+    config: CheckConfig
+    report: dict
+    sections: list[str] = field(default_factory=list)
+
+    def add(self, report: dict, section: str) -> None:
+        self.report |= report
+        self.sections.append(section)
+        (self.config.output_dir / "gpu_check.md").write_text(self.markdown() + "\n")
+        (self.config.output_dir / "gpu_check.json").write_text(json.dumps(self.report, indent=2, default=str))
+
+    def markdown(self) -> str:
+        title = f"# GPU check ({_device_name(self.config.device)}, {self.config.dtype}, {_shape_name(self.config)} shape, random weights)"
+        return "\n\n".join([title, *self.sections])
 
 
 def _stepper(started: float):
@@ -332,7 +397,7 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and a small run (for a CPU, and the tests)")
-    parser.add_argument("--users", default="1,4,8,16", help="comma list of N (default 1,4,8,16)")
+    parser.add_argument("--users", default="1,2,4,8,16,32", help="comma list of N (default 1,2,4,8,16,32)")
     parser.add_argument("--acceptance", type=float, default=0.7, help="chance a proposal is the target's token (default 0.7)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per user (default 128)")
     args = parser.parse_args(argv)
@@ -341,6 +406,9 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     if args.tiny:
         tiny = {
             "rows": (1, 2, 4, 8),
+            "forward_dtypes": ("float32",),
+            "ragged_rows": (1, 2, 4, 8),
+            "ragged_sessions": (1, 4),
             "context_length": 64,
             "num_sessions": 2,
             "prompt_tokens": 20,

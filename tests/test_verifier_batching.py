@@ -9,6 +9,7 @@ chunking."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 import time
 
@@ -104,6 +105,20 @@ def test_only_the_scored_rows_reach_the_output_layer(model, vocab_size):
     assert projected == [6]
     torch.testing.assert_close(logits[0], plain_forward_logits(model, contexts[0])[39], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits[4:], plain_forward_logits(model, contexts[2])[4:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_a_ragged_forward_makes_every_tensor_on_the_models_device(model, vocab_size, batch_invariant):
+    """The verifier also runs on CUDA, where a tensor made on the CPU (a mask, say) fails the
+    forward. A copy of the model on the meta device fails the same way on any machine."""
+    meta_model = copy.deepcopy(model).to("meta")
+    register_ragged_attention()
+    caches = [growing_cache(meta_model.config) for _ in range(2)]
+    new_ids = [[1, 2, 3], [4, 5]]  # several rows per session: the causal mask is built
+    ragged_cache = RaggedCache(caches, [(0, 3), (3, 5)], batch_invariant=batch_invariant)
+    logits = ragged_forward(meta_model, ragged_cache, new_ids, [0, 0], [0, 1, 2, 3, 4])
+    assert logits.device.type == "meta" and logits.shape == (5, vocab_size)
+    assert all(cache.layers[0].keys.device.type == "meta" for cache in caches)
 
 
 @pytest.fixture(params=["torch-rowwise", "kernel"])

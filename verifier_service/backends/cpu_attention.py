@@ -53,16 +53,17 @@ def gqa_attention(
     if attention_mask is not None:
         scores = scores + attention_mask[:, :, None, :, :num_keys]
     elif num_rows > 1:
-        scores = scores + causal_mask(num_rows, num_keys, scores.dtype)
+        scores = scores + causal_mask(num_rows, num_keys, scores.dtype, scores.device)
     probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     output = torch.matmul(probs.view(batch, num_kv_heads, group * num_rows, num_keys), value)
     return output.view(batch, num_heads, num_rows, head_dim).transpose(1, 2).contiguous(), None
 
 
-def causal_mask(num_rows: int, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, keys] additive mask: row i (at key position keys - rows + i) sees keys up to its own."""
-    visible = torch.ones(num_rows, num_keys, dtype=torch.bool).tril(num_keys - num_rows)
-    return torch.zeros(num_rows, num_keys, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+def causal_mask(num_rows: int, num_keys: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """[rows, keys] additive mask on ``device``: row i (at key position keys - rows + i) sees
+    keys up to its own."""
+    visible = torch.ones(num_rows, num_keys, dtype=torch.bool, device=device).tril(num_keys - num_rows)
+    return torch.zeros(num_rows, num_keys, dtype=dtype, device=device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 def rowwise_attention(
