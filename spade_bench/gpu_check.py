@@ -13,7 +13,8 @@ weights, the output layer scaled so that greedy choices are clear of near-ties (
                starts to grow is the knee.
     ragged     the verifier's own forward (``rows_bench``): R rows shared by S sessions, each
                after its own cached context; what S sessions cost beyond R rows is the
-               per-session work (attention and its launches, one segment at a time).
+               per-session work (attention and its launches), one attention call per
+               session (fast) and one for all (packed).
     capacity   synthetic sessions: random prompts, the target's own greedy output (the
                verifier's, one empty-block call per token), and draft proposals that equal the
                target's token with probability --acceptance (else another token); then N
@@ -154,19 +155,20 @@ def forward_costs(config: CheckConfig, model_dir: Path, dtype: str, repeats: int
             torch.cuda.empty_cache()
 
 
-def ragged_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict[tuple[int, int], float]:
-    """Median wall ms of the verifier's ragged forward: (rows, sessions) -> ms, each session
-    after its own cached context of ``context_length`` tokens (``rows_bench``, fast mode)."""
+def ragged_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict[tuple[str, int, int], float]:
+    """Median wall ms of the verifier's ragged forward: (mode, rows, sessions) -> ms, each
+    session after its own cached context of ``context_length`` tokens (``rows_bench``; modes
+    fast, one attention call per session, and packed, one for all)."""
     import torch
 
-    from spade_bench.rows_bench import RowsBench, median_ms, run
+    from spade_bench.rows_bench import PACKED, RowsBench, median_ms, run
     from spade_models.loader import ModelSource, load_model
 
     model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model
     try:
         bench = RowsBench(model, config.context_length, max(config.ragged_sessions))
-        timings = run(bench, None, ["fast"], list(config.ragged_rows), list(config.ragged_sessions), repeats)
-        return {(rows, sessions): median_ms(samples, 1) for (_, rows, sessions), samples in timings.items()}
+        timings = run(bench, None, ["fast", PACKED], list(config.ragged_rows), list(config.ragged_sessions), repeats)
+        return {key: median_ms(samples, 1) for key, samples in timings.items()}
     finally:
         del model
         if config.device.startswith("cuda"):
@@ -220,12 +222,13 @@ def forward_table(costs_by_dtype: dict[str, dict[int, float]]) -> str:
     return "\n".join(lines)
 
 
-def ragged_table(costs: dict[tuple[int, int], float]) -> str:
-    """ms per ragged forward: row counts down, session counts across."""
-    rows_list = sorted({rows for rows, _ in costs})
-    sessions_list = sorted({sessions for _, sessions in costs})
-    lines = ["| rows | " + " | ".join(f"{count} sess. ms" for count in sessions_list) + " |", "|---|" + "---|" * len(sessions_list)]
-    lines += [f"| {rows} | " + " | ".join(f"{costs[(rows, count)]:.2f}" for count in sessions_list) + " |" for rows in rows_list]
+def ragged_table(costs: dict[tuple[str, int, int], float]) -> str:
+    """ms per ragged forward: row counts down, mode x session count across."""
+    modes = list(dict.fromkeys(mode for mode, _, _ in costs))
+    rows_list = sorted({rows for _, rows, _ in costs})
+    columns = [(mode, count) for mode in modes for count in sorted({sessions for _, _, sessions in costs})]
+    lines = ["| rows | " + " | ".join(f"{mode}, {count} sess. ms" for mode, count in columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {rows} | " + " | ".join(f"{costs[(mode, rows, count)]:.2f}" for mode, count in columns) + " |" for rows in rows_list]
     return "\n".join(lines)
 
 
@@ -327,9 +330,9 @@ def run_check(config: CheckConfig) -> dict:
     step("forward costs measured")
     ragged = ragged_costs(config, model_dir)
     results.add(
-        {"ragged_ms": [{"rows": rows, "sessions": sessions, "ms": ms} for (rows, sessions), ms in sorted(ragged.items())]},
+        {"ragged_ms": [dict(zip(("mode", "rows", "sessions", "ms"), (*key, ms), strict=True)) for key, ms in sorted(ragged.items())]},
         f"The verifier's ragged forward ({config.dtype}): R rows over S sessions, each after {config.context_length} cached "
-        "tokens (medians):\n\n" + ragged_table(ragged),
+        "tokens, attention one call per session (fast) or one for all (packed, the default off a CPU), medians:\n\n" + ragged_table(ragged),
     )
     step("ragged forward costs measured")
     with start_service(verifier_spec(config, model_dir), 900) as verifier:

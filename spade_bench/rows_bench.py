@@ -11,8 +11,9 @@ the price of one.
 Every measurement feeds R random rows, split as evenly as they go over S sessions (each after its
 own cached context of --context-length tokens), scores each session's last row, and crops the
 caches back. Modes, row counts and session counts are interleaved within each repetition; the
-table prints medians of CPU time. Runs on CPU, or CUDA with --device cuda (the mode is then
-the stock model under the ragged forward: the kernels are CPU-only).
+table prints medians of CPU time. Runs on CPU, or CUDA with --device cuda (the modes are then
+the stock model under the ragged forward, one attention call per segment or ``packed``: the
+kernels are CPU-only).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from verifier_service.backends.growing_cache import growing_cache
 from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
 
 MODES = ("fast", "batch_invariant")
+PACKED = "packed"
+"""A third mode: fast, with every session's attention in one call (the default off a CPU)."""
 
 
 def split_rows(num_rows: int, num_sessions: int) -> list[int]:
@@ -62,7 +65,7 @@ class RowsBench:
         ragged_forward(self.model, RaggedCache([cache], [(0, self.context_length)]), [self._random(self.context_length)], [0], [])
         return cache
 
-    def time_forward(self, num_rows: int, num_sessions: int, batch_invariant: bool) -> tuple[float, float]:
+    def time_forward(self, num_rows: int, num_sessions: int, batch_invariant: bool, packed: bool = False) -> tuple[float, float]:
         """(CPU seconds, wall seconds) of one ragged forward of ``num_rows`` rows over ``num_sessions``."""
         shares = split_rows(num_rows, num_sessions)
         caches = self.caches[: len(shares)]
@@ -73,7 +76,8 @@ class RowsBench:
         new_ids = [self._random(rows) for rows in shares]
         scored = [end - 1 for _, end in segments]
         cpu_started, wall_started = time.process_time(), time.perf_counter()
-        ragged_forward(self.model, RaggedCache(caches, segments, batch_invariant), new_ids, [self.context_length] * len(shares), scored)
+        ragged_cache = RaggedCache(caches, segments, batch_invariant, packed)
+        ragged_forward(self.model, ragged_cache, new_ids, [self.context_length] * len(shares), scored)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = (time.process_time() - cpu_started, time.perf_counter() - wall_started)
@@ -95,7 +99,7 @@ def run(bench: RowsBench, library, modes: list[str], rows: list[int], sessions: 
                 patch = apply_cpu_kernels(bench.model, library, batch_invariant=mode == "batch_invariant")
             for num_rows in rows:
                 for num_sessions in sessions:
-                    elapsed = bench.time_forward(num_rows, num_sessions, mode == "batch_invariant")
+                    elapsed = bench.time_forward(num_rows, num_sessions, mode == "batch_invariant", mode == PACKED)
                     if repeat:
                         timings.setdefault((mode, num_rows, num_sessions), []).append(elapsed)
         print(f"repetition {repeat}/{repeats} done, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -163,7 +167,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context-length", type=int, default=200)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--sessions", default="1,4,8")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join((*MODES, PACKED))}; off a CPU: fast and {PACKED}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", help="directory for rows_bench.md and rows_bench.png")
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows = [int(value) for value in args.rows.split(",")]
     sessions = [int(value) for value in args.sessions.split(",")]
-    modes = args.modes.split(",") if args.device == "cpu" else ["fast"]
+    modes = args.modes.split(",") if args.device == "cpu" else ["fast", PACKED]
     with tempfile.TemporaryDirectory(prefix="spade-rows-bench-") as workdir:
         source = ModelSource(args.model) if args.model else tiny_source(Path(workdir))
         loaded = load_model(source, args.device, "float32")

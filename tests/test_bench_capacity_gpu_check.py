@@ -54,7 +54,8 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu_with_a_tiny_model(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert sorted(int(rows) for rows in report["forward_ms"]) == [1, 2, 4, 8]
-    assert {(cost["rows"], cost["sessions"]) for cost in report["ragged_ms"]} == {(r, s) for r in (1, 2, 4, 8) for s in (1, 4)}
+    ragged = {(cost["mode"], cost["rows"], cost["sessions"]) for cost in report["ragged_ms"]}
+    assert ragged == {(m, r, s) for m in ("fast", "packed") for r in (1, 2, 4, 8) for s in (1, 4)}
     assert all(cost["ms"] > 0 for cost in report["ragged_ms"])
     rows = {(row["mode"], row["num_users"]): row for row in report["rows"]}
     assert set(rows) == {(mode, n) for mode in ("target", "spade", "spade+advice") for n in (1, 2)}
@@ -62,4 +63,5 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu_with_a_tiny_model(tmp_path):
     assert all(row["tokens"] == 12 * row["num_users"] for row in report["rows"])
     assert report["prefill_interference"]["num_mismatches"] == 0
     markdown = (tmp_path / "gpu_check.md").read_text()
-    assert "| rows | float32 ms | × one row |" in markdown and "| rows | 1 sess. ms | 4 sess. ms |" in markdown
+    assert "| rows | float32 ms | × one row |" in markdown
+    assert "| rows | fast, 1 sess. ms | fast, 4 sess. ms | packed, 1 sess. ms |" in markdown

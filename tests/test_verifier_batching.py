@@ -23,7 +23,7 @@ from verifier_service.backends.base import BlockToVerify, ForwardRecord
 from verifier_service.backends.cpu_kernels import apply_cpu_kernels, cpu_isa, load_kernel_library
 from verifier_service.backends.growing_cache import GrowingLayer, growing_cache
 from verifier_service.backends.transformers.backend import TransformersBackend
-from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
+from verifier_service.backends.transformers.ragged import RaggedCache, packed_causal_mask, ragged_forward, register_ragged_attention
 from verifier_service.backends.transformers.runner import Share
 from verifier_service.backends.transformers.scheduler import MIN_CHUNK_ROWS, PendingCall, SchedulerLimits, plan_forward
 from verifier_support import (
@@ -48,7 +48,7 @@ def _filled_cache(model, token_ids: list[int]):
     return cache
 
 
-def _ragged(model, cached_lengths: list[int], contexts: list[list[int]], scored: list[int] | None = None):
+def _ragged(model, cached_lengths: list[int], contexts: list[list[int]], scored: list[int] | None = None, packed: bool = False):
     """A ragged forward of every context's uncached tail; returns (logits, caches, segments)."""
     register_ragged_attention()
     caches = [_filled_cache(model, context[:cached]) for context, cached in zip(contexts, cached_lengths, strict=True)]
@@ -58,18 +58,19 @@ def _ragged(model, cached_lengths: list[int], contexts: list[list[int]], scored:
         bounds.append(bounds[-1] + len(ids))
     segments = list(zip(bounds, bounds[1:], strict=False))
     rows = list(range(bounds[-1])) if scored is None else scored
-    logits = ragged_forward(model, RaggedCache(caches, segments), new_ids, cached_lengths, rows)
+    logits = ragged_forward(model, RaggedCache(caches, segments, packed=packed), new_ids, cached_lengths, rows)
     return logits, caches, segments
 
 
 # --- the ragged forward --------------------------------------------------------------------------
 
 
-def test_a_ragged_forward_matches_a_plain_forward_per_session(model, vocab_size):
+@pytest.mark.parametrize("packed", [False, True], ids=["per-segment", "packed"])
+def test_a_ragged_forward_matches_a_plain_forward_per_session(model, vocab_size, packed):
     rng = random.Random(0)
     cached_lengths, new_lengths = [0, 7, 20, 3], [5, 1, 9, 4]
     contexts = [random_tokens(rng, c + n, vocab_size) for c, n in zip(cached_lengths, new_lengths, strict=True)]
-    logits, caches, segments = _ragged(model, cached_lengths, contexts)
+    logits, caches, segments = _ragged(model, cached_lengths, contexts, packed=packed)
     assert logits.shape == (sum(new_lengths), vocab_size)  # real rows only: nothing padded
     for context, cached, cache, (start, end) in zip(contexts, cached_lengths, caches, segments, strict=True):
         torch.testing.assert_close(logits[start:end], plain_forward_logits(model, context)[cached:], atol=1e-4, rtol=1e-4)
@@ -93,6 +94,29 @@ def test_each_session_keeps_its_growing_cache_and_grows_it_in_place(model, vocab
         torch.testing.assert_close(rows, plain_forward_logits(model, context + follow_up)[-3:], atol=1e-4, rtol=1e-4)
 
 
+def test_the_packed_mask_lets_each_row_see_its_own_sessions_keys_up_to_its_position():
+    # the docstring's example (A: 2 rows over 3 keys, B: 1 row over 2 keys), then one session alone
+    mask = packed_causal_mask([(0, 2), (2, 3)], [3, 2], torch.device("cpu"))
+    assert mask.int().tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 1]]
+    alone = packed_causal_mask([(0, 3)], [5], torch.device("cpu"))
+    assert torch.equal(alone, torch.ones(3, 5, dtype=torch.bool).tril(2))
+    rng = random.Random(5)
+    for _ in range(20):  # random shapes: each row sees exactly its position + 1 keys, all its own
+        rows = [rng.randrange(1, 6) for _ in range(rng.randrange(1, 6))]
+        keys = [count + rng.randrange(0, 9) for count in rows]
+        bounds = [0]
+        for count in rows:
+            bounds.append(bounds[-1] + count)
+        mask = packed_causal_mask(list(zip(bounds, bounds[1:], strict=False)), keys, torch.device("cpu"))
+        key_start = 0
+        for session, (count, num_keys) in enumerate(zip(rows, keys, strict=True)):
+            for row in range(count):
+                expected = torch.zeros(sum(keys), dtype=torch.bool)
+                expected[key_start : key_start + num_keys - count + row + 1] = True
+                assert torch.equal(mask[bounds[session] + row], expected)
+            key_start += num_keys
+
+
 def test_only_the_scored_rows_reach_the_output_layer(model, vocab_size):
     rng = random.Random(2)
     contexts = [random_tokens(rng, n, vocab_size) for n in (40, 3, 6)]
@@ -107,15 +131,15 @@ def test_only_the_scored_rows_reach_the_output_layer(model, vocab_size):
     torch.testing.assert_close(logits[4:], plain_forward_logits(model, contexts[2])[4:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_a_ragged_forward_makes_every_tensor_on_the_models_device(model, vocab_size, batch_invariant):
+@pytest.mark.parametrize(("batch_invariant", "packed"), [(False, False), (True, False), (False, True)])
+def test_a_ragged_forward_makes_every_tensor_on_the_models_device(model, vocab_size, batch_invariant, packed):
     """The verifier also runs on CUDA, where a tensor made on the CPU (a mask, say) fails the
     forward. A copy of the model on the meta device fails the same way on any machine."""
     meta_model = copy.deepcopy(model).to("meta")
     register_ragged_attention()
     caches = [growing_cache(meta_model.config) for _ in range(2)]
     new_ids = [[1, 2, 3], [4, 5]]  # several rows per session: the causal mask is built
-    ragged_cache = RaggedCache(caches, [(0, 3), (3, 5)], batch_invariant=batch_invariant)
+    ragged_cache = RaggedCache(caches, [(0, 3), (3, 5)], batch_invariant=batch_invariant, packed=packed)
     logits = ragged_forward(meta_model, ragged_cache, new_ids, [0, 0], [0, 1, 2, 3, 4])
     assert logits.device.type == "meta" and logits.shape == (5, vocab_size)
     assert all(cache.layers[0].keys.device.type == "meta" for cache in caches)
@@ -201,14 +225,14 @@ async def _verify_rounds(backend, sampling: SamplingConfig, vocab_size: int, con
     return verdicts
 
 
-def _backend(target_model, **limits) -> TransformersBackend:
-    backend = TransformersBackend(target_model)
+def _backend(target_model, packed_attention: bool | None = None, **limits) -> TransformersBackend:
+    backend = TransformersBackend(target_model, packed_attention=packed_attention)
     backend.configure(SchedulerLimits(**limits))
     return backend
 
 
 async def _rounds(target_model, sampling, vocab_size, concurrently: bool, records: list | None = None, **limits):
-    backend = _backend(target_model, **limits)
+    backend = _backend(target_model, **limits)  # limits may name packed_attention
     if records is not None:
         backend.observe_forwards(records.append)
     try:
@@ -217,10 +241,15 @@ async def _rounds(target_model, sampling, vocab_size, concurrently: bool, record
         await backend.aclose()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["per-segment", "packed"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_shared_forward_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling):
+def test_shared_forward_verdicts_equal_one_at_a_time_verdicts(target_model, vocab_size, sampling, packed):
     alone = asyncio.run(_rounds(target_model, sampling, vocab_size, False, max_batch_sessions=1))
-    shared = asyncio.run(_rounds(target_model, sampling, vocab_size, True, max_batch_sessions=6, max_forward_rows=512, batch_wait_s=1.0))
+    shared = asyncio.run(
+        _rounds(
+            target_model, sampling, vocab_size, True, max_batch_sessions=6, max_forward_rows=512, batch_wait_s=1.0, packed_attention=packed
+        )
+    )
     assert [v[:2] for v in shared] == [v[:2] for v in alone]
     assert [v[3] for v in shared] == [v[3] for v in alone]  # the same rows fed per call
     assert {v[2] for v in alone} == {1}

@@ -48,12 +48,14 @@ class TransformersBackend(VerifierBackend):
         fast_kernels: bool = False,
         batch_invariant: bool | BatchInvariance = False,
         max_retained_kv_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        packed_attention: bool | None = None,
     ) -> None:
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
         model is patched in place, and the target-only route runs the same patched model).
         ``max_retained_kv_bytes``: KV of ended sessions kept as shared prefixes (the session
         registry's KV budget sets it as its room changes, ``limit_retained``); None: no prefix store,
-        nothing shared (calls' ``cache_namespace`` is ignored)."""
+        nothing shared (calls' ``cache_namespace`` is ignored). ``packed_attention``: all
+        sessions' attention in one call per layer (``ragged``); None: off a CPU only."""
         self._tokenizer = loaded.tokenizer
         self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
         native_context_length: int = getattr(loaded.model.config, "max_position_embeddings", 4096)
@@ -68,7 +70,9 @@ class TransformersBackend(VerifierBackend):
         self._dtype = loaded.model.dtype
         is_invariant = self.cpu_kernels is not None and self.cpu_kernels.mode == "batch_invariant"
         store = None if max_retained_kv_bytes is None else PrefixStore(max_retained_kv_bytes // self.kv_bytes_per_token)
-        self._runner = ModelRunner(loaded.model, torch.device(loaded.device), batch_invariant=is_invariant, prefix_store=store)
+        self._runner = ModelRunner(
+            loaded.model, torch.device(loaded.device), batch_invariant=is_invariant, prefix_store=store, packed_attention=packed_attention
+        )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-forward")
         self._scheduler = Scheduler(self._runner, self._executor, SchedulerLimits(max_batch_sessions=1))
 

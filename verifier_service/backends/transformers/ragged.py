@@ -28,6 +28,13 @@ nothing but its own session's keys: with the batch-invariant linear kernel, ever
 are bitwise those of a one-token forward at its position, whatever shares the forward.
 
 The model builds no attention mask (``NO_MASK``): causality is per segment, inside attention.
+
+On an accelerator (``packed``) the segments' attention is one call instead of one per segment:
+each layer lays the sessions' keys end to end (one concatenation) and runs one fused attention of
+every row against them under a block-diagonal causal mask built once per forward. There, per
+segment launches cost more than the arithmetic (an H200, 1.5B fp32: about 2 ms per session and
+forward one segment at a time; docs/benchmarks.md, "GPU check"); on a CPU the concatenation
+would copy every cache once per layer, so the CPU keeps one call per segment.
 """
 
 from __future__ import annotations
@@ -56,8 +63,12 @@ class RaggedCache:
     segments: Sequence[tuple[int, int]]
     """Per session, its rows' [start, end) on the forward's row axis, in order, covering it."""
     batch_invariant: bool = False
+    packed: bool = False
+    """One attention call over all segments per layer (see the module docstring)."""
     layer_states: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     """Per layer index, each session's whole (keys, values) after this forward's update."""
+    packed_mask: torch.Tensor | None = None
+    """The packed attention's mask, built at the first layer and shared by all."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, kv_heads, sum(n_i), head_dim]; session i's rows are segments[i]
@@ -91,13 +102,57 @@ def ragged_attention(
 ) -> tuple[torch.Tensor, None]:
     if kwargs.get("sliding_window"):
         raise ValueError("ragged attention takes full-attention layers only")
+    states = ragged_cache.layer_states[module.layer_idx]  # type: ignore[index]
+    if ragged_cache.packed and not ragged_cache.batch_invariant:
+        if ragged_cache.packed_mask is None:
+            ragged_cache.packed_mask = packed_causal_mask(ragged_cache.segments, [keys.shape[2] for keys, _ in states], query.device)
+        return packed_attention(query, states, ragged_cache.packed_mask, scaling), None
     inner = rowwise_attention if ragged_cache.batch_invariant else gqa_attention
     outputs = []
-    states = ragged_cache.layer_states[module.layer_idx]  # type: ignore[index]
     for (start, end), (session_keys, session_values) in zip(ragged_cache.segments, states, strict=True):
         output, _ = inner(module, query[:, :, start:end], session_keys, session_values, None, scaling)
         outputs.append(output)  # [1, n_i, heads, head_dim]
     return torch.cat(outputs, dim=1), None
+
+
+def packed_attention(
+    query: torch.Tensor,  # [1, heads, sum(n_i), head_dim]
+    states: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per session [1, kv_heads, L_i, head_dim]
+    mask: torch.Tensor,  # [sum(n_i), sum(L_i)] bool, True where a row may look
+    scaling: float,
+) -> torch.Tensor:
+    """Every segment's rows against its own session's keys in one fused attention call, the
+    sessions' keys laid end to end; [1, sum(n_i), heads, head_dim]."""
+    keys = torch.cat([session_keys for session_keys, _ in states], dim=2)
+    values = torch.cat([session_values for _, session_values in states], dim=2)
+    output = nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
+    return output.transpose(1, 2).contiguous()
+
+
+def packed_causal_mask(segments: Sequence[tuple[int, int]], key_lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[sum(n_i), sum(L_i)] bool for keys laid end to end by session: a row of segment i sees
+    session i's keys up to its own position (its segment's rows are the last n_i of its L_i
+    keys), nothing of other sessions'. Built with a fixed number of operations, whatever the
+    number of sessions. Example, A with 2 rows over 3 keys, B with 1 row over 2 keys:
+
+        keys     a0 a1 a2 b0 b1
+        A row 0   1  1  0  0  0
+        A row 1   1  1  1  0  0
+        B row 0   0  0  0  1  1
+    """
+    row_counts = torch.tensor([end - start for start, end in segments], device=device)
+    key_counts = torch.tensor(list(key_lengths), device=device)
+    num_rows, num_keys = segments[-1][1], sum(key_lengths)
+    sessions = torch.arange(len(segments), device=device)
+    row_session = torch.repeat_interleave(sessions, row_counts, output_size=num_rows)
+    key_session = torch.repeat_interleave(sessions, key_counts, output_size=num_keys)
+    row_starts = torch.cumsum(row_counts, 0) - row_counts
+    key_ends = torch.cumsum(key_counts, 0)
+    rows = torch.arange(num_rows, device=device)
+    # the row's own key: its session's key end, less the rows after it in its segment
+    own_key = key_ends[row_session] - row_counts[row_session] + (rows - row_starts[row_session])
+    keys = torch.arange(num_keys, device=device)
+    return (key_session[None, :] == row_session[:, None]) & (keys[None, :] <= own_key[:, None])
 
 
 def ragged_forward(

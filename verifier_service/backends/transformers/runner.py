@@ -73,12 +73,23 @@ class FedRows:
 class ModelRunner:
     """The target model, the sessions' caches, and the ragged forward over several sessions."""
 
-    def __init__(self, model, device: torch.device, *, batch_invariant: bool, prefix_store: PrefixStore | None = None) -> None:
-        """``prefix_store``: share prefixes between sessions through it; None shares nothing."""
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        *,
+        batch_invariant: bool,
+        prefix_store: PrefixStore | None = None,
+        packed_attention: bool | None = None,
+    ) -> None:
+        """``prefix_store``: share prefixes between sessions through it; None shares nothing.
+        ``packed_attention``: one attention call per layer for all sessions (``ragged``); by
+        default off a CPU only."""
         register_ragged_attention()
         self.model = model
         self.device = device
         self.batch_invariant = batch_invariant
+        self.packed_attention = device.type != "cpu" if packed_attention is None else packed_attention
         self._caches: dict[str, TokenCache] = {}
         self.prefixes = None if prefix_store is None else PrefixCache(prefix_store, self._new_cache)
 
@@ -161,7 +172,7 @@ class ModelRunner:
             segments.append((start, end))
             scored.extend(range(end - rows.num_scored, end))
             start = end
-        ragged_cache = RaggedCache([entry.cache for entry in entries], segments, self.batch_invariant)
+        ragged_cache = RaggedCache([entry.cache for entry in entries], segments, self.batch_invariant, self.packed_attention)
         positions = [rows.first_position for rows in fed]
         logits = ragged_forward(self.model, ragged_cache, [rows.token_ids for rows in fed], positions, scored)
         per_share, offset = [], 0
