@@ -59,6 +59,7 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
     app.state.metrics = VerifierMetrics()
     app.state.service = None
     app.state.engine = None
+    app.state.unlogged_paths = ("/v1/verify",)  # successful ones: see gateway.cli.QuietAccessLog
     install_error_handlers(app)
     install_guards(app, settings, settings.host)
     app.include_router(build_openai_router())
