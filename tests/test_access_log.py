@@ -18,7 +18,9 @@ from verifier_support import verify_body
 
 def _access_record(path: str, status: int) -> logging.LogRecord:
     """A record as uvicorn's access logger makes it."""
-    return logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', ("127.0.0.1:5", "POST", path, "1.1", status), None)
+    return logging.LogRecord(
+        "uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', ("127.0.0.1:5", "POST", path, "1.1", status), None
+    )
 
 
 def test_the_filter_drops_successful_calls_to_its_paths_only():
