@@ -252,8 +252,8 @@ class SpeculativeEngine:
         (a block of 0), 10 left, length 5 -> the guess + 5; drafting the guess is also the
         draft's prefill of the prompt."""
         num_left_after_hit = generation.num_left - (num_drafted + 1)
-        if not self._options.overlap or num_left_after_hit <= 0:
-            return 0
+        if not self._options.overlap or num_left_after_hit <= 0 or generation.verifier_advice == 0:
+            return 0  # (advised 0: the next call carries no block, nothing to draft for it)
         room_after_hit = self.model.room(len(generation.context) + num_drafted + 1)
         if min(num_left_after_hit - 1, room_after_hit) < 1:
             return 1  # the guess alone: after it, the budget or the context takes no drafted token

@@ -20,12 +20,16 @@ from gateway.protocol import SpadeStats
 
 def draft_length(chosen: int, num_left: int, room: int, verifier_advice: int | None = None) -> int:
     """The length of the next block: the policy's ``chosen`` length within every cap, never below 1
-    (an empty block is only the prompt-only first call's, decided by ``Generation.sends_prompt_only``).
+    unless the verifier advised 0 (its forwards are past the point where a drafted row pays: the
+    call then carries no block, a target-only step). The prompt-only first call's empty block is
+    decided elsewhere (``Generation.sends_prompt_only``).
 
     Caps: the budget (a block of d yields up to d + 1 tokens, so d <= ``num_left`` - 1), the
     context's ``room`` (context + block must fit: ``gateway.model``), and ``verifier_advice``, the
     longest block the last verdict advised (None: no verdict carried one). Example: chosen 5,
     4 tokens left, room 60 -> 3 (the block of 3 and the next token make the 4)."""
+    if verifier_advice == 0:
+        return 0
     caps = [num_left - 1, room] if verifier_advice is None else [num_left - 1, room, verifier_advice]
     return max(1, min(chosen, *caps))
 

@@ -282,7 +282,8 @@ class SpadeStats(BaseModel):
     verifier_forward_ms: float = 0.0
     advised_draft_length: int | None = None
     """The longest block the verifier's last verdict advised (its limit while it has idle time,
-    shorter when its forwards follow each other); None for target-only decoding."""
+    shorter when its forwards follow each other, 0 where no drafted row pays); None for
+    target-only decoding."""
     advice_capped_blocks: int = 0
     """Blocks drafted shorter than the draft-length policy chose, to follow the verifier's advice."""
     verifier_cached_tokens: int = 0

@@ -31,6 +31,21 @@ async def test_no_block_is_longer_than_the_last_advice_and_the_output_stays_the_
     assert f"spade_edge_verifier_advice_count {float(len(blocks))}" in text
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-line", "overlap"])
+@pytest.mark.parametrize("policy", ["fixed-6", "auto"])
+async def test_an_advice_of_zero_sends_calls_without_blocks_and_drafts_nothing_for_them(overlap, policy):
+    # Past the verifier's knee a drafted row costs more than it brings: target-only steps.
+    draft_length = FixedDraftLength(6) if policy == "fixed-6" else AdaptiveDraftLength(max_length=16)
+    verifier, drafter = ScriptedVerifier(latency_s=0.01, advice=0), ScriptedDrafter()
+    tokens, stats = await generate(scripted_engine(drafter, verifier, draft_length, overlap=overlap, prefill_first=True), 20)
+    assert tokens == target_continuation(PROMPT, 20)
+    assert all(block == [] for _, block, _, _ in verifier.verdicts)
+    assert len(verifier.verdicts) == 20  # one token a call
+    assert stats.advised_draft_length == 0
+    # At most the guess drafted ahead during the prompt-only call (no advice yet); nothing after.
+    assert sum(num_tokens for _, num_tokens in drafter.proposals) <= 7
+
+
 async def test_an_advice_at_the_policys_length_or_above_caps_nothing():
     verifier = ScriptedVerifier(latency_s=0.01, advice=64)
     tokens, stats = await generate(scripted_engine(ScriptedDrafter(), verifier, FixedDraftLength(4), prefill_first=True), 30)

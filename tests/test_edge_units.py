@@ -48,7 +48,7 @@ def test_num_delivered(committed, num_left, delivered):
         (5, 100, 990, 2, 2),  # the verifier advised blocks of 2 at most
         (5, 100, 990, 8, 5),  # advice above the choice changes nothing
         (5, 3, 990, 4, 2),  # the tightest cap wins: the budget
-        (5, 100, 990, 0, 1),  # advice of 0 still drafts a block of 1
+        (5, 100, 990, 0, 0),  # advice of 0: a call without a block (a target-only step)
     ],
 )
 def test_draft_length_is_the_choice_within_every_cap(chosen, num_left, room, verifier_advice, length):

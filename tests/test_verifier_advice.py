@@ -67,7 +67,7 @@ def test_the_advice_maximises_the_committed_tokens_per_second():
         return sum(expected_tokens(alphas[s], d) for s, d in lengths.items()) / cost.seconds(rows)
 
     advice = advised_lengths(alphas, cost, 0, 32)
-    best = max(rate({"a": a, "b": b}) for a in range(1, 33) for b in range(1, 33))
+    best = max(rate({"a": a, "b": b}) for a in range(0, 33) for b in range(0, 33))
     assert rate(advice) == pytest.approx(best, rel=1e-9)
 
 
@@ -77,8 +77,8 @@ def test_a_forward_already_long_with_a_prompt_chunk_makes_a_drafted_row_relative
     assert beside_a_prompt > alone
 
 
-def test_the_advice_is_within_one_and_the_verifiers_limit():
-    assert advised_lengths({"a": 0.01}, CostLine(0.0001, 1.0), 0, 8) == {"a": 1}
+def test_the_advice_is_within_zero_and_the_verifiers_limit():
+    assert advised_lengths({"a": 0.01}, CostLine(0.0001, 1.0), 0, 8) == {"a": 0}
     assert advised_lengths({"a": 0.99}, CostLine(10.0, 0.0), 0, 8) == {"a": 8}
     assert advised_lengths({}, CostLine(0.2, 0.01), 50, 8) == {}
 
@@ -128,6 +128,15 @@ def test_row_counts_not_seen_for_long_leave_the_curve():
     for _ in range(600):
         lonely.observe(4, 0.25)
     assert sorted(lonely.points) == [2, 4]  # two row counts stay, however old: the curve needs them
+
+
+def test_where_every_row_costs_its_full_arithmetic_no_block_pays():
+    # t(R) = 0.03 R: a call without a block buys its one token with one row; a block of 1 buys
+    # 1 + alpha tokens with two (0.85 a row at alpha 0.7), so target-only's steps are cheaper.
+    alphas = {session: 0.7 for session in range(8)}
+    assert set(advised_lengths(alphas, CostLine(0.0, 0.03), 0, 64).values()) == {0}
+    # A forward's fixed part still makes drafted rows pay while it dominates.
+    assert min(advised_lengths(alphas, CostLine(0.5, 0.03), 0, 64).values()) >= 1
 
 
 def test_the_advice_keeps_blocks_long_below_the_knee_and_short_past_it():
@@ -199,6 +208,25 @@ def test_a_block_longer_than_the_advice_is_cut_to_it_and_verified_exactly(client
     assert _metric(client, "spade_verifier_cut_tokens_total") - cuts_before == 4
     third = verify(client, verify_body(session_id, committed_after(held, block, second), []))  # the session goes on in step
     assert third["num_accepted"] == 0
+
+
+@pytest.mark.parametrize("sampling", [None, {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "seed": 5}], ids=["greedy", "sampled"])
+def test_an_advice_of_zero_is_sent_as_zero_and_a_block_is_then_cut_to_nothing_exactly(client, target_model, monkeypatch, sampling):
+    # Past the knee the backend advises 0: the answer says 0 (not the verifier's limit), and a
+    # block sent anyway is verified as an empty one: the target's own next token, nothing accepted.
+    backend = client.app.state.service.backend
+    monkeypatch.setattr(backend, "advised_draft_length", lambda session_id: 0)
+    session_id, context = new_session_id(), random_tokens(random.Random(3), 7, 300)
+    extra = {} if sampling is None else {"sampling": sampling}
+    first = verify(client, verify_body(session_id, [], [], new_tokens=context, **extra))
+    assert first["advised_draft_length"] == 0
+    held = committed_after(context, [], first)
+    block = greedy_continuation(target_model.model, held, 4)
+    probs = None if sampling is None else [{"token_ids": [token], "probs": [1.0]} for token in block]
+    cut = verify(client, verify_body(session_id, held, block, draft_probs=probs, **extra))
+    reference = verify(client, verify_body(new_session_id(), [], [], new_tokens=held, **extra))
+    assert (cut["num_accepted"], cut["next_token"]) == (0, reference["next_token"])
+    assert cut["context_length"] == len(held) + 1
 
 
 def _metric(client, name: str) -> float:

@@ -45,7 +45,8 @@ Example, the first call of a generation with prompt c0..c9 (nothing drafted yet)
 Advice. Every answer carries ``advised_draft_length``: the longest block the verifier wants next
 from this session, chosen from its load (``backends.transformers.advice``): its
 ``--max-draft-length`` while the target has idle time, shorter blocks when its forwards follow
-each other and extra rows would slow every session down. The edge drafts no further. A block
+each other and extra rows would slow every session down, 0 (a call without a block, a
+target-only step) where even one drafted row costs more than it brings. The edge drafts no further. A block
 longer than the session's last advice is cut to it before it is verified: verifying a prefix of
 a block is exact (the verdict is the one a block of that length gets), so an edge that ignores
 the advice is still served exactly, but cannot lengthen everyone's forwards.
@@ -84,8 +85,8 @@ from gateway.model import ModelDescription
 from gateway.protocol import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import SamplingConfig
 
-WIRE_VERSION = 1
-"""The version of this wire (first release: 1). See the module's "Versions"."""
+WIRE_VERSION = 2
+"""The version of this wire (first release: 1; 2: the advice may be 0). See the module's "Versions"."""
 
 SESSION_RESYNC_CODE = "session_resync_required"
 
@@ -215,9 +216,10 @@ class VerifyResponse(BaseModel):
     context_length: int = Field(description="Committed length after this call (context + accepted + next).")
     num_target_tokens: int = Field(description="Tokens in the target's forward pass for this call.")
     advised_draft_length: int = Field(
-        ge=1,
+        ge=0,
         description="The longest block the verifier wants next from this session, from its load (its --max-draft-length "
-        "while it has idle time). The edge drafts no further; a longer block is cut to it before it is verified (exact: "
+        "while it has idle time; 0 where its forwards are past the point where a drafted row pays: the next call then "
+        "carries no block). The edge drafts no further; a longer block is cut to it before it is verified (exact: "
         "a prefix of a block is verified as if only the prefix had been drafted).",
     )
     timings: VerifyTimings

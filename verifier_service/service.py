@@ -89,7 +89,8 @@ class VerifierService:
                 verdict = await self.backend.verify_block(block)
             finally:
                 session.reserved_tokens = 0
-            advice = self.backend.advised_draft_length(session.session_id) or self.limits.max_draft_length
+            advised = self.backend.advised_draft_length(session.session_id)
+            advice = self.limits.max_draft_length if advised is None else advised
             emitted = draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             committed = context + emitted
             committed_digest = context_digest(committed)
@@ -113,7 +114,7 @@ class VerifierService:
             return draft_tokens, draft_probs
         self.metrics.cut_blocks.inc()
         self.metrics.cut_tokens.inc(len(draft_tokens) - advice)
-        return draft_tokens[:advice], None if draft_probs is None else draft_probs[:advice]
+        return draft_tokens[:advice], None if draft_probs is None or advice == 0 else draft_probs[:advice]
 
     def end_session(self, session_id: str, owner: str = "") -> SessionDeleted:
         """Another owner's session is left alone (``deleted: false``, as for an unknown one)."""

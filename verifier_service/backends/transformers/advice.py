@@ -15,8 +15,9 @@ slowed down). Saturated, the verifier maximises the committed tokens per second 
 together, sum E_s(d_s) / t(R) with R = sum (d_s + 1) plus the rows of prompts being prefilled:
 starting from d_s = 0, it hands out one drafted row at a time to the session whose next row is
 most likely kept (alpha_s^(d_s + 1)), while that raises the rate. Past the CPU's knee every row
-costs its full arithmetic, so the blocks shorten toward target-only's one row per token; below
-the knee rows are nearly free and the blocks stay long.
+costs its full arithmetic, so the blocks shorten toward target-only's one row per token (down
+to no block at all, where even one drafted row costs more than it brings); below the knee rows
+are nearly free and the blocks stay long.
 
 Worked example: t(R) = 0.25 + 0.02 R s, two sessions of alpha 0.8 and 0.5: rows go to the first
 session while 0.8^k beats the rate's break-even, so it gets d = 6 and the second d = 1.
@@ -188,7 +189,9 @@ class BusyFraction:
 def advised_lengths(alphas: dict[K, float], cost: ForwardTime, other_rows: int, max_length: int) -> dict[K, int]:
     """Per session, the block length that maximises all sessions' committed tokens per second
     under the forward cost ``cost`` (t(R)), with ``other_rows`` rows in the forward besides the
-    blocks (prompts being prefilled). Never below 1."""
+    blocks (prompts being prefilled). 0 where no drafted row pays: past the knee a call without
+    a block buys one token with its one row (target-only's price), while a drafted row costs as
+    much and is kept only with probability alpha (a block of 1 gets 1 + alpha tokens for 2 rows)."""
     lengths = dict.fromkeys(alphas, 0)
     rows = other_rows + len(alphas)
     tokens = float(len(alphas))
@@ -203,4 +206,4 @@ def advised_lengths(alphas: dict[K, float], cost: ForwardTime, other_rows: int, 
         lengths[best] += 1
         rows += 1
         tokens += gain
-    return {session: max(1, length) for session, length in lengths.items()}
+    return lengths
