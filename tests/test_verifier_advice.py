@@ -67,7 +67,7 @@ def test_the_advice_maximises_the_committed_tokens_per_second():
         return sum(expected_tokens(alphas[s], d) for s, d in lengths.items()) / cost.seconds(rows)
 
     advice = advised_lengths(alphas, cost, 0, 32)
-    best = max(rate({"a": a, "b": b}) for a in range(0, 33) for b in range(0, 33))
+    best = max(rate({"a": a, "b": b}) for a in range(33) for b in range(33))
     assert rate(advice) == pytest.approx(best, rel=1e-9)
 
 
