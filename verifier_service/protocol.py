@@ -46,10 +46,10 @@ Advice. Every answer carries ``advised_draft_length``: the longest block the ver
 from this session, chosen from its load (``backends.transformers.advice``): its
 ``--max-draft-length`` while the target has idle time, shorter blocks when its forwards follow
 each other and extra rows would slow every session down, 0 (a call without a block, a
-target-only step) where even one drafted row costs more than it brings. The edge drafts no further. A block
-longer than the session's last advice is cut to it before it is verified: verifying a prefix of
-a block is exact (the verdict is the one a block of that length gets), so an edge that ignores
-the advice is still served exactly, but cannot lengthen everyone's forwards.
+target-only step) where even one drafted row costs more than it brings. The edge drafts no
+further. A block longer than the session's last advice is cut to it before it is verified:
+verifying a prefix of a block is exact (the verdict is the one a block of that length gets), so
+an edge that ignores the advice is still served exactly, but cannot lengthen everyone's forwards.
 
 Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
 token and, in ``top_logprobs``, its N most likely alternatives, all the target's
