@@ -125,6 +125,7 @@ def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: 
     stats.verify_calls += 1
     stats.drafted_tokens += num_drafted
     stats.accepted_tokens += verdict.num_accepted
+    stats.continued_tokens += len(verdict.continued_tokens)
     stats.used_draft_tokens += verdict.num_accepted
     stats.rejected_draft_tokens += num_drafted - verdict.num_accepted
     stats.target_tokens += verdict.num_target_tokens

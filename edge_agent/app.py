@@ -82,6 +82,7 @@ async def build_engine(
         fallback_to_draft=settings.fallback == "draft",
         overlap=settings.overlap,
         prefill_first=settings.prefill_first,
+        max_continued_tokens=settings.max_continued_tokens,
     )
     return SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
 

@@ -7,6 +7,10 @@ the edge prefills its draft model and, with overlap, drafts ahead of that token 
 The two prefills overlap instead of following each other. With no drafted token nothing can be
 accepted: the first token is the target's own, drawn as its target-only routes draw it.
 
+A saturated verifier (advice 0: no drafting pays) may answer a call with more of the target's
+tokens, decoded by itself (``max_continued_tokens``, within what the request's budget leaves):
+they are committed and streamed with the verdict's.
+
 The edge never emits a token the verifier did not accept or produce, and never computes a
 logprob: those of a request that asks come from the verifier, the target's. The loop ends at EOS, at
 the token budget (the last block is drafted no longer than the budget needs, and its output cut
@@ -64,7 +68,7 @@ class ServedModel:
 @dataclass(frozen=True)
 class EngineOptions:
     """How the engine drafts (``spade-edge``'s ``--draft-length``, ``--fallback``, ``--overlap``,
-    ``--prefill-first``)."""
+    ``--prefill-first``, ``--max-continued-tokens``)."""
 
     draft_length_policy: DraftLengthPolicy
     """Chooses each block's length (service-wide; each request gets its own ``for_request()``)."""
@@ -77,6 +81,8 @@ class EngineOptions:
     """Draft the next block while the verifier checks this one."""
     prefill_first: bool = field(default=False, kw_only=True)
     """The first verify call carries the prompt alone (every verifier of this wire version takes an empty block)."""
+    max_continued_tokens: int = field(default=0, kw_only=True)
+    """Most tokens a verify call lets a saturated verifier decode on by itself (``--max-continued-tokens``)."""
 
 
 class SpeculativeEngine:
@@ -265,8 +271,11 @@ class SpeculativeEngine:
         falls back to the draft (never for a request that asked for logprobs: the draft's tokens
         have no target logprob)."""
         request = generation.request
+        max_continued = continued_allowance(self._options.max_continued_tokens, generation.num_left, len(block.token_ids))
         try:
-            return await generation.verifier_session.verify(generation.context, block, request.sampling, request.num_top_logprobs)
+            return await generation.verifier_session.verify(
+                generation.context, block, request.sampling, request.num_top_logprobs, max_continued
+            )
         except ServiceUnavailableError:
             record_unreachable_verifier(self._metrics)
             if not self._options.fallback_to_draft or generation.wants_logprobs:
@@ -303,11 +312,20 @@ class SpeculativeEngine:
 
 
 def committed_tokens(block: DraftBlock, call: VerifyCall | None) -> list[int]:
-    """The tokens a call commits: the accepted drafts and the target's next token; with no
-    verdict (verifier unreachable, ``--fallback draft``) the draft's own block, unverified."""
+    """The tokens a call commits: the accepted drafts, the target's next token and the tokens
+    it continued with; with no verdict (verifier unreachable, ``--fallback draft``) the draft's
+    own block, unverified."""
     if call is None:
         return block.token_ids
-    return block.token_ids[: call.verdict.num_accepted] + [call.verdict.next_token]
+    verdict = call.verdict
+    return block.token_ids[: verdict.num_accepted] + [verdict.next_token] + verdict.continued_tokens
+
+
+def continued_allowance(max_continued_tokens: int, num_left: int, num_drafted: int) -> int:
+    """How many tokens a call lets the verifier continue with: the setting, within what the
+    budget leaves after the block's best case (its drafts and the next token). Example: 10
+    left, a block of 0 -> up to 9 (with the setting at 8: 8); a block of 4 -> 5."""
+    return max(0, min(max_continued_tokens, num_left - num_drafted - 1))
 
 
 def generated_tokens(token_ids: list[int], call: VerifyCall | None) -> GeneratedTokens:

@@ -51,6 +51,11 @@ class EdgeMetrics:
         )
         self.drafted_tokens = Counter("spade_edge_drafted_tokens", "Tokens drafted", registry=r)
         self.accepted_tokens = Counter("spade_edge_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.continued_tokens = Counter(
+            "spade_edge_continued_tokens",
+            "Tokens a saturated verifier decoded on by itself after a verdict (--max-continued-tokens)",
+            registry=r,
+        )
         self.overlap_hits = Counter(
             "spade_edge_overlap_hits",
             "Blocks started with tokens drafted while the previous block was verified",
@@ -133,6 +138,7 @@ class EdgeMetrics:
         self.rejected_answers.inc(call.rejected_answers)
         self.drafted_tokens.inc(num_drafted)
         self.accepted_tokens.inc(call.verdict.num_accepted)
+        self.continued_tokens.inc(len(call.verdict.continued_tokens))
         self.used_draft_tokens.inc(call.verdict.num_accepted)
         self.rejected_draft_tokens.inc(num_drafted - call.verdict.num_accepted)
         self.bytes_sent.inc(call.bytes_sent)

@@ -11,6 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from edge_agent.draft_length import DraftLengthPolicy, draft_length_policy, parse_draft_length
 from edge_agent.edge_power import DEFAULT_EDGE_POWER, DraftAheadPolicy, EdgePower
 from gateway.settings import ServiceSettings
+from spade_core.params import MAX_CONTINUED_TOKENS
 
 if TYPE_CHECKING:  # the client pulls in torch via the drafter (edge_agent.drafter); --help must not
     from edge_agent.verifier_client import ClientSettings
@@ -76,6 +77,16 @@ class EdgeSettings(ServiceSettings):
     )
     max_draft_length: int = Field(16, ge=1, description="Longest draft length --draft-length auto chooses.")
     max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
+    max_continued_tokens: int = Field(
+        8,
+        ge=0,
+        le=MAX_CONTINUED_TOKENS,
+        description=(
+            "Most tokens one verify call lets a saturated verifier decode on by itself (where it advises blocks of 0,"
+            " so drafting does not pay): it answers them at once, one call per that many tokens instead of one per"
+            " token; they then reach the caller together. 0: one call per token."
+        ),
+    )
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
     verify_retries: int = Field(2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.")
     fallback: Literal["error", "draft"] = Field(

@@ -259,16 +259,23 @@ class VerifierSession:
         return headers | ({ROUTE_HEADER: self.route_key} if self.route_key else {})
 
     async def verify(
-        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
+        self,
+        context: list[int],
+        block: DraftBlock,
+        sampling: SamplingConfig,
+        num_top_logprobs: int | None = None,
+        max_continued_tokens: int = 0,
     ) -> VerifyCall:
         """``num_top_logprobs``: None asks for no logprobs; N for the emitted tokens' and N
-        alternatives each. Returns only a verdict that passed ``checked_verdict``."""
+        alternatives each. ``max_continued_tokens``: how many tokens a saturated verifier may
+        decode on by itself after the verdict (the wire's continuation). Returns only a verdict
+        that passed ``checked_verdict``."""
         started = time.perf_counter()
         self.has_called = True
         traffic = Traffic()
         resynced = False
         try:
-            request = self._request(context, block, sampling, num_top_logprobs)
+            request = self._request(context, block, sampling, num_top_logprobs, max_continued_tokens)
             verdict, committed_digest = await self._trusted_verdict(request, context, traffic)
         except VerifierProtocolError:
             await self.client.raise_if_incompatible()
@@ -277,7 +284,7 @@ class VerifierSession:
             logger.debug("session %s: resending the whole context (%s)", self.session_id, type(error).__name__)
             resynced = True
             self.verifier_length = 0
-            request = self._request(context, block, sampling, num_top_logprobs)
+            request = self._request(context, block, sampling, num_top_logprobs, max_continued_tokens)
             verdict, committed_digest = await self._resynced_verdict(request, context, traffic)
         self.verifier_length = verdict.context_length
         self.checked_digest = (verdict.context_length, committed_digest)
@@ -325,7 +332,9 @@ class VerifierSession:
         if self.has_called:
             self.client.end_session_soon(self)
 
-    def _request(self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None) -> VerifyRequest:
+    def _request(
+        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None, max_continued_tokens: int
+    ) -> VerifyRequest:
         known = self.verifier_length
         checked_length, checked_digest = self.checked_digest
         return VerifyRequest(
@@ -338,6 +347,7 @@ class VerifierSession:
             sampling=WireSampling.from_config(sampling),
             num_top_logprobs=num_top_logprobs,
             cache_salt=self.cache_salt,
+            max_continued_tokens=max_continued_tokens,
         )
 
 
@@ -386,7 +396,11 @@ def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprin
         verdict = VerifyResponse.model_validate_json(response.content)
     except ValueError as error:  # pydantic's ValidationError: not JSON, or not a verdict
         raise UntrustedAnswerError(f"invalid answer: {str(error).splitlines()[0]}") from None
-    if verdict.session_id != request.session_id or not 0 <= verdict.num_accepted <= len(request.draft_tokens):
+    if (
+        verdict.session_id != request.session_id
+        or not 0 <= verdict.num_accepted <= len(request.draft_tokens)
+        or len(verdict.continued_tokens) > request.max_continued_tokens
+    ):
         raise UntrustedAnswerError("an answer for another call")
     committed_digest = context_digest(committed_after(context, request, verdict))
     expected = verdict_digest(fingerprint, verdict, committed_digest)
@@ -413,12 +427,13 @@ def refusal_error(response: httpx.Response) -> GatewayError:
 
 
 def committed_after(context: list[int], request: VerifyRequest, verdict: VerifyResponse) -> list[int]:
-    """The committed context once the verdict is taken: context + accepted drafts + next token."""
-    return context + request.draft_tokens[: verdict.num_accepted] + [verdict.next_token]
+    """The committed context once the verdict is taken: context + accepted drafts + next token
+    + the tokens the verifier continued with."""
+    return context + request.draft_tokens[: verdict.num_accepted] + [verdict.next_token] + verdict.continued_tokens
 
 
 def has_logprobs(verdict: VerifyResponse) -> bool:
-    num_emitted = verdict.num_accepted + 1
+    num_emitted = verdict.num_accepted + 1 + len(verdict.continued_tokens)
     return len(verdict.logprobs) == num_emitted and verdict.top_logprobs is not None and len(verdict.top_logprobs) == num_emitted
 
 

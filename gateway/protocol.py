@@ -305,6 +305,9 @@ class SpadeStats(BaseModel):
     skipped_ahead_blocks: int = 0
     """Verify calls under which the edge did not draft ahead because it was not worth its CPU
     (``--edge-power``)."""
+    continued_tokens: int = 0
+    """Tokens the verifier decoded on by itself after a verdict: while saturated it advises no
+    drafting, and a call then brings up to ``--max-continued-tokens`` of the target's tokens."""
 
 
 class PromptTokensDetails(BaseModel):

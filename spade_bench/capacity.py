@@ -9,6 +9,8 @@ same users.
                   session's trace with the edges' policy (--edge-draft-length), waits drafting
                   time + the link's RTT before each real /v1/verify call, ignores the advice
     spade+advice  the same, each block capped at the verifier's advised_draft_length
+    spade+continue  the same, each call letting a saturated verifier (advice 0) continue up to
+                  --max-continued-tokens tokens by itself (the real edge's default)
     replay        N edges replaying the recorded verify calls as they were (fixed blocks)
     target        N users at once stream the same prompts from the verifier's own
                   /v1/chat/completions (one RTT per request)
@@ -49,7 +51,7 @@ from spade_bench.capacity_record import (
     recording_app,
     write_sessions,
 )
-from spade_bench.capacity_report import ADVICE, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
+from spade_bench.capacity_report import ADVICE, CONTINUE, EMULATED_MODES, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
 from spade_bench.client import Generation, make_client, served_model, stream_chat
 from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
@@ -58,7 +60,7 @@ from spade_bench.emulated_edge import EdgePolicy
 from spade_bench.prefill_interference import InterferenceResult, InterferenceSetup, interference_table, measure_interference
 from spade_bench.services import ServiceSpec, console_command, edge_command, start_service, verifier_command
 
-MODES = (TARGET, SPADE, ADVICE, REPLAY)
+MODES = (TARGET, SPADE, ADVICE, CONTINUE, REPLAY)
 MIXES = {
     "short": {"max_tokens": 128},
     "long": {"max_tokens": 32, "max_article_chars": 8000, "min_prompt_chars": 4500},
@@ -113,6 +115,8 @@ class CapacityConfig:
     batch_sessions: tuple[int, ...] = (8,)
     """The verifier's own default (--max-batch-sessions 8); 1 = one call at a time."""
     rtt_ms: float = 20.0
+    max_continued_tokens: int = 8
+    """What the ``spade+continue`` edges' calls let the verifier continue."""
     user_tokens_per_s: float = 1.0
     placement: Placement = field(default_factory=Placement.default)
     verifier_args: tuple[str, ...] = ()
@@ -183,9 +187,9 @@ class CapacityRun:
 def run_capacity(config: CapacityConfig) -> CapacityRun:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     sessions = read_sessions(config.recording) if config.recording else record_phase(config)
-    needs_traces = bool({SPADE, ADVICE} & set(config.modes)) or config.prefill is not None
+    needs_traces = bool(set(EMULATED_MODES) & set(config.modes)) or config.prefill is not None
     run = CapacityRun(sessions)
-    setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy)
+    setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy, config.max_continued_tokens)
     for batch in config.batch_sessions:
         with start_service(_verifier_spec(config, batch), config.startup_timeout_s) as verifier:
             if needs_traces:
@@ -294,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of verifier --max-batch-sessions values, one verifier each (default 8, the verifier's own)",
     )
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="link round trip per verify call / target request (default 20)")
+    parser.add_argument(
+        "--max-continued-tokens",
+        type=int,
+        default=CapacityConfig.max_continued_tokens,
+        help=f"what each call of spade+continue's edges lets the verifier continue (default {CapacityConfig.max_continued_tokens})",
+    )
     parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target (default 1.0)")
     parser.add_argument(
         "--draft-length", default="8", help="the recording edge's --draft-length (default 8; spade/spade+advice do not depend on it)"
@@ -345,6 +355,7 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
         modes=modes,
         batch_sessions=args.batch_sessions,
         rtt_ms=args.rtt_ms,
+        max_continued_tokens=args.max_continued_tokens,
         user_tokens_per_s=args.user_tokens_per_s,
         placement=Placement.default(args.threads),
         verifier_args=tuple(args.verifier_args),

@@ -3,6 +3,8 @@
     spade          N emulated edges (``emulated_edge``) drafting from each session's trace with
                    the edges' policy, ignoring the verifier's advice
     spade+advice   the same, each block capped at the verifier's last advice
+    spade+continue the same, each call letting a saturated verifier continue up to
+                   ``LevelSetup.max_continued_tokens`` tokens by itself (the real edge's default)
     replay         N edges replaying the recorded verify calls as they were (fixed blocks)
     target         N users streaming the same prompts from the verifier's /v1/chat/completions
 
@@ -28,10 +30,11 @@ import httpx
 from spade_bench.capacity_record import RecordedSession
 from spade_bench.capacity_report import (
     ADVICE,
+    CONTINUE,
+    EMULATED_MODES,
     QUEUE_HISTOGRAM,
     QUEUE_P50_MS,
     REPLAY,
-    SPADE,
     TARGET,
     VERIFIER_CPU,
     LevelRow,
@@ -66,6 +69,8 @@ class LevelSetup:
     """One link round trip per verify call / target-only request."""
     policy: EdgePolicy = EdgePolicy()
     """The emulated edges' draft length (``spade`` modes; ``follows_advice`` is set per mode)."""
+    max_continued_tokens: int = 8
+    """What each call of ``spade+continue``'s edges allows the verifier to continue."""
     timeout_s: float = 1800.0
 
 
@@ -85,27 +90,34 @@ def emulated_result(mode: str, run: EmulatedRun) -> UserResult:
         queue_ms=tuple(call.queue_ms for call in calls),
         num_drafted=sum(call.num_drafted for call in calls),
         num_cut=sum(call.is_cut for call in calls),
+        num_continued=sum(call.num_continued for call in calls),
     )
 
 
 async def emulated_user(client: httpx.AsyncClient, mode: str, session: RecordedSession, setup: LevelSetup) -> UserResult:
-    """One emulated edge drafting from the session's trace; ``spade+advice`` follows advice."""
+    """One emulated edge drafting from the session's trace; ``spade+advice`` follows advice,
+    ``spade+continue`` also lets the verifier continue (``setup.max_continued_tokens``)."""
     if session.trace is None:
         raise ValueError(f"session {session.item_id} has no draft trace: record again (or run the replay mode)")
-    policy = replace(setup.policy, follows_advice=mode == ADVICE)
+    continues = setup.max_continued_tokens if mode == CONTINUE else 0
+    policy = replace(setup.policy, follows_advice=mode in (ADVICE, CONTINUE), max_continued_tokens=continues)
     think_s = session.calls[0].think_s if session.calls and not session.calls[0].request["draft_tokens"] else 0.0
     edge = EmulatedEdge(session.trace, policy, setup.rtt_s, think_s)
     return emulated_result(mode, await edge.run(client, asyncio.sleep))
 
 
 async def replay_user(client: httpx.AsyncClient, session: RecordedSession, rtt_s: float) -> UserResult:
-    """One replaying edge: the recorded calls, each after its drafting time + one RTT."""
+    """One replaying edge: the recorded calls, each after its drafting time + one RTT. The
+    calls allow no continuation: a verifier under this level's load could continue other
+    tokens than the recording's, and the next recorded call would no longer follow on."""
     session_id = f"cap-{uuid.uuid4().hex[:12]}"
     started_at = time.perf_counter()
     ttft_s, num_calls, mismatches, queue_ms, emitted, drafted = None, 0, 0, [], 0, 0
     for call in session.calls:
         await asyncio.sleep(call.think_s + rtt_s)
-        response = await client.post("/v1/verify", json=call.request | {"session_id": session_id, "cache_salt": session_id})
+        response = await client.post(
+            "/v1/verify", json=call.request | {"session_id": session_id, "cache_salt": session_id, "max_continued_tokens": 0}
+        )
         num_calls += 1
         if response.status_code != 200:  # the session left the recorded path (409): stop here
             mismatches += 1
@@ -113,9 +125,13 @@ async def replay_user(client: httpx.AsyncClient, session: RecordedSession, rtt_s
         answer = response.json()
         ttft_s = ttft_s if ttft_s is not None else time.perf_counter() - started_at
         queue_ms.append(answer["timings"]["queue_ms"])
-        emitted += answer["num_accepted"] + 1
+        emitted += answer["num_accepted"] + 1 + len(answer.get("continued_tokens", []))
         drafted += len(call.request["draft_tokens"])
-        mismatches += (answer["num_accepted"], answer["next_token"]) != (call.num_accepted, call.next_token)
+        mismatches += (answer["num_accepted"], answer["next_token"], answer.get("continued_tokens", [])) != (
+            call.num_accepted,
+            call.next_token,
+            call.continued_tokens,
+        )
     finished_at = time.perf_counter()
     await client.delete(f"/v1/sessions/{session_id}")
     tokens = session.completion_tokens if mismatches == 0 else min(emitted, session.completion_tokens)
@@ -168,7 +184,7 @@ async def run_level(
     async with httpx.AsyncClient(base_url=verifier_url, timeout=setup.timeout_s, limits=limits) as client:
         before = await metrics_text(client)
         chosen = [sessions[k % len(sessions)] for k in range(num_users)]
-        if mode in (SPADE, ADVICE):
+        if mode in EMULATED_MODES:
             users = [emulated_user(client, mode, session, setup) for session in chosen]
         elif mode == REPLAY:
             users = [replay_user(client, session, setup.rtt_s) for session in chosen]

@@ -39,6 +39,14 @@ class RecordedCall:
     next_token: int | None = None
     verify_s: float = 0.0
     """Answer left - call arrived, at recording time."""
+    continued_tokens: list[int] = field(default_factory=list)
+    """The tokens the verifier continued with after next_token (wire continuation; a recording's
+    lone edge rarely gets any: the verifier continues only while saturated)."""
+
+    @property
+    def num_emitted(self) -> int:
+        """Tokens the call committed (accepted + next + continued); 0 for a refused call."""
+        return 0 if self.num_accepted is None else self.num_accepted + 1 + len(self.continued_tokens)
 
 
 @dataclass(frozen=True)
@@ -58,8 +66,8 @@ class RecordedSession:
 
     @property
     def num_emitted(self) -> int:
-        """Tokens the verifier emitted over the session (accepted + next per call)."""
-        return sum(call.num_accepted + 1 for call in self.calls if call.num_accepted is not None)
+        """Tokens the verifier emitted over the session (accepted + next + continued per call)."""
+        return sum(call.num_emitted for call in self.calls)
 
     @property
     def is_clean(self) -> bool:
@@ -116,6 +124,7 @@ class VerifyRecorder:
                     answer.get("num_accepted"),
                     answer.get("next_token"),
                     call.answered_at - call.arrived_at,
+                    list(answer.get("continued_tokens", [])),
                 )
             )
             previous_end = call.answered_at

@@ -30,10 +30,15 @@ SPADE = "spade"
 """Emulated edges (``emulated_edge``) that ignore the verifier's advice."""
 ADVICE = "spade+advice"
 """Emulated edges that cap each block at the verifier's advice."""
+CONTINUE = "spade+continue"
+"""Emulated edges that follow advice and let a saturated verifier continue their sessions by
+itself (``--max-continued-tokens``; the real edge's default)."""
 REPLAY = "replay"
 """Edges replaying the recorded verify calls (fixed blocks)."""
 TARGET = "target"
-SPADE_MODES = (SPADE, ADVICE, REPLAY)
+SPADE_MODES = (SPADE, ADVICE, CONTINUE, REPLAY)
+EMULATED_MODES = (SPADE, ADVICE, CONTINUE)
+"""The modes whose users are emulated edges (``emulated_edge``)."""
 VERIFIER_CPU = "verifier_tree_cpu_seconds"
 """The key run_level gives the verifier's process-tree CPU seconds in its metrics delta."""
 QUEUE_P50_MS = "queue_ms_p50"
@@ -57,6 +62,8 @@ class UserResult:
     num_drafted: int = 0
     num_cut: int = 0
     """Calls whose block the verifier verified only in part (cut to its advice)."""
+    num_continued: int = 0
+    """Tokens the verifier continued with by itself (``CONTINUE``)."""
 
     @property
     def wall_s(self) -> float:
@@ -89,6 +96,8 @@ class LevelRow:
     """Drafted tokens per verify call (None for target-only)."""
     num_cut: int = 0
     user_wall_p50_s: float | None = None
+    continued_share: float | None = None
+    """Of the tokens, those the verifier continued with by itself (None for target-only)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +153,7 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         mean_block=_ratio(sum(user.num_drafted for user in users), sum(user.num_calls for user in users)) if mode != TARGET else None,
         num_cut=sum(user.num_cut for user in users),
         user_wall_p50_s=percentile([user.wall_s for user in users], 50),
+        continued_share=_ratio(sum(user.num_continued for user in users), tokens) if mode != TARGET else None,
     )
 
 
@@ -218,8 +228,8 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
     target_rate = {row.num_users: row.aggregate_tok_s for row in rows if row.mode == TARGET}
     lines = [
         "| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
-        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | continued | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r.num_users, r.mode != TARGET, r.mode)):
         ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
@@ -228,7 +238,8 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
             f"| {row.num_users} | {row.mode} | {row.aggregate_tok_s:.2f} | {_fmt(ratio)}× | {row.user_tok_s_p50:.2f} "
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
             f"| {_metric(row.sessions_per_forward)} | {_metric(row.rows_per_token)} | {_metric(row.queue_ms_p50, 0)} "
-            f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {row.num_mismatches if is_spade else '–'} |"
+            f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {_fmt(row.continued_share)} "
+            f"| {row.num_mismatches if is_spade else '–'} |"
         )
     bounds = [f"N = {row.num_users}: {_fmt(prefill_bound(row))}×" for row in sorted(rows, key=lambda r: r.num_users) if row.mode == TARGET]
     if bounds:

@@ -97,7 +97,7 @@ def recorded_output(calls: Sequence, completion_tokens: int) -> list[int]:
             continue
         if start > len(committed):
             raise ValueError(f"a call starts at {start} with {len(committed)} tokens committed")
-        committed += list(call.request["draft_tokens"][: call.num_accepted]) + [call.next_token]
+        committed += list(call.request["draft_tokens"][: call.num_accepted]) + [call.next_token] + call.continued_tokens
     return committed[:completion_tokens]
 
 

@@ -16,6 +16,10 @@ only for what of it outlasted the first call. Every verdict is checked against y
 mismatches); a verdict may accept only a prefix of the block when the verifier cut it to its
 advice, and its ``context_length`` then says so.
 
+An edge with ``max_continued_tokens`` lets a saturated verifier continue its session by itself
+(the wire's continuation, as the real edge's ``--max-continued-tokens``): the verdict's
+``continued_tokens`` are checked against y too, and the next call starts after them.
+
 The draft length comes from the edge's own policies (``edge_agent.draft_length``, fed with each
 call's outcome), capped, when the edge follows advice, by the verdict's
 ``advised_draft_length`` (every verdict carries one: the verifier's limit while it has idle time).
@@ -31,6 +35,7 @@ from typing import Literal
 import httpx
 
 from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy, draft_length_policy
+from edge_agent.engine import continued_allowance
 from spade_bench.draft_trace import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, WireSampling, context_digest
 
@@ -46,6 +51,9 @@ class EdgePolicy:
     follows_advice: bool = False
     """Cap each block at the last verdict's ``advised_draft_length`` (an edge that ignores it is
     still verified exactly; the verifier may cut its blocks)."""
+    max_continued_tokens: int = 0
+    """Each call lets a saturated verifier continue this many tokens by itself (the edge's
+    ``--max-continued-tokens``); 0: none."""
 
     def build(self) -> DraftLengthPolicy:
         """A fresh service-wide policy: every emulated edge is a box of its own."""
@@ -53,7 +61,8 @@ class EdgePolicy:
 
     @property
     def label(self) -> str:
-        return f"{self.draft_length}" + (" + advice" if self.follows_advice else "")
+        continues = f" + continue {self.max_continued_tokens}" if self.max_continued_tokens else ""
+        return f"{self.draft_length}" + (" + advice" if self.follows_advice else "") + continues
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class CallRecord:
     queue_ms: float
     verifier_ms: float
     advised: int | None
+    num_continued: int = 0
+    """Tokens the verifier continued with after the call's next token."""
 
     @property
     def is_cut(self) -> bool:
@@ -109,15 +120,16 @@ def drafted_block(trace: DraftTrace, position: int, num_drafted: int) -> list[in
 def verdict_error(trace: DraftTrace, position: int, block: list[int], verdict: VerifyResponse) -> str | None:
     """Why a verdict on ``block`` at ``position`` is not the target's greedy one (None: it is).
     Accepting fewer than the matching drafts is allowed (a block cut to the advice) if the next
-    token is then the target's own at that position."""
+    token is then the target's own at that position; the tokens the verifier continued with
+    must be the target's own that follow."""
     accepted = verdict.num_accepted
     if accepted > leading_matches(trace, position, len(block)):
         return f"accepted {accepted} drafted tokens at {position}, of which some differ from the target's"
-    emitted = block[:accepted] + [verdict.next_token]
-    expected = trace.target_token_ids[position : position + accepted + 1]
+    emitted = block[:accepted] + [verdict.next_token] + verdict.continued_tokens
+    expected = trace.target_token_ids[position : position + len(emitted)]
     if emitted[: len(expected)] != expected:
         return f"emitted {emitted} at {position}, the target's output has {expected}"
-    committed = len(trace.prompt_token_ids) + position + accepted + 1
+    committed = len(trace.prompt_token_ids) + position + len(emitted)
     if verdict.context_length != committed:
         return f"context_length {verdict.context_length} after {committed} committed tokens"
     return None
@@ -164,7 +176,8 @@ class EmulatedEdge:
                 await sleep(self._think_s(num_drafted, len(run.calls), time.perf_counter() - first_sent_at) + self.rtt_s)
                 first_sent_at = first_sent_at or time.perf_counter()
                 block = drafted_block(self.trace, position, num_drafted)
-                record, payload = await self._call(client, run, position, block)
+                max_continued = continued_allowance(self.policy.max_continued_tokens, target_length - position, num_drafted)
+                record, payload = await self._call(client, run, position, block, max_continued)
                 if payload is None:
                     break
                 verdict = VerifyResponse.model_validate(payload)
@@ -173,7 +186,7 @@ class EmulatedEdge:
                 run.ttft_s = run.ttft_s if run.ttft_s is not None else record.answered_at - run.started_at
                 advice = record.advised
                 policy.observe(self._outcome(record, verdict, drafted_before=len(run.calls) > 2))
-                position += verdict.num_accepted + 1
+                position += verdict.num_accepted + 1 + len(verdict.continued_tokens)
                 run.tokens = min(position, target_length)
         finally:
             run.finished_at = time.perf_counter()
@@ -190,7 +203,9 @@ class EmulatedEdge:
             drafting_s += max(0.0, self.trace.draft_prefill_s - since_first_call_s)
         return drafting_s
 
-    async def _call(self, client: httpx.AsyncClient, run: EmulatedRun, position: int, block: list[int]) -> tuple[CallRecord, dict | None]:
+    async def _call(
+        self, client: httpx.AsyncClient, run: EmulatedRun, position: int, block: list[int], max_continued_tokens: int
+    ) -> tuple[CallRecord, dict | None]:
         committed = self.trace.prompt_token_ids + self.trace.target_token_ids[:position]
         known = 0 if not run.calls else len(committed)  # the verifier appended every earlier verdict itself
         request = VerifyRequest(
@@ -201,6 +216,7 @@ class EmulatedEdge:
             draft_tokens=block,
             sampling=WireSampling(temperature=0.0),
             cache_salt=run.session_id,  # a prompt of its own: no prefix cached by another run or mode
+            max_continued_tokens=max_continued_tokens,
         )
         sent_at = time.perf_counter()
         response = await client.post(
@@ -221,6 +237,7 @@ class EmulatedEdge:
             timings["queue_ms"],
             timings["total_ms"],
             advised_length(payload),
+            len(payload.get("continued_tokens", [])),
         )
         run.calls.append(record)
         return record, payload

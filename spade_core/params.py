@@ -16,6 +16,9 @@ from dataclasses import dataclass
 MAX_SEED = 2**63 - 1
 MAX_TEMPERATURE = 2.0
 """OpenAI's bound; also the wire's (a temperature of Infinity is not a distribution)."""
+MAX_CONTINUED_TOKENS = 1024
+"""The most tokens one verify call may let the verifier decode on by itself (the wire's
+``max_continued_tokens``; each service's own ``--max-continued-tokens`` may set fewer)."""
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """A temperature below this samples greedily (vLLM's _SAMPLING_EPS). Such a temperature's
 distribution is one-hot at the argmax in float32 anyway, except between near-ties, and

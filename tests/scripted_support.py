@@ -74,14 +74,23 @@ class ScriptedVerifier:
     verdicts: list[tuple[list[int], list[int], int, int]] = field(default_factory=list)
     """(context, block, accepted, next token) of every answered call."""
     cancelled: list[int] = field(default_factory=list)
+    allowed_continuations: list[int] = field(default_factory=list)
+    """Every call's max_continued_tokens."""
 
     def open_session(self, cache_salt: str | None = None, route_key: str | None = None) -> ScriptedVerifier:
         return self
 
     async def verify(
-        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None = None
+        self,
+        context: list[int],
+        block: DraftBlock,
+        sampling: SamplingConfig,
+        num_top_logprobs: int | None = None,
+        max_continued_tokens: int = 0,
     ) -> VerifyCall:
+        """Under an advice of 0 it continues ``max_continued_tokens`` tokens, as a saturated verifier does."""
         call = len(self.calls)
+        self.allowed_continuations.append(max_continued_tokens)
         try:
             await asyncio.sleep(3600 if call == self.hang_on_call else self.latency_s)
         except asyncio.CancelledError:
@@ -95,14 +104,18 @@ class ScriptedVerifier:
             num_accepted += 1
         next_token = target_rule(committed)
         self.verdicts.append((list(context), list(block.token_ids), num_accepted, next_token))
+        continued: list[int] = []
+        for _ in range(max_continued_tokens if self.advice == 0 else 0):
+            continued.append(target_rule(committed + [next_token] + continued))
         verdict = VerifyResponse(
             session_id="s",
             num_accepted=num_accepted,
             next_token=next_token,
             next_token_kind="bonus" if num_accepted == len(block.token_ids) else "correction",
-            logprobs=[0.0] * (num_accepted + 1),
-            context_length=len(committed) + 1,
-            num_target_tokens=len(block.token_ids) + 1,
+            logprobs=[0.0] * (num_accepted + 1 + len(continued)),
+            continued_tokens=continued,
+            context_length=len(committed) + 1 + len(continued),
+            num_target_tokens=len(block.token_ids) + 1 + len(continued),
             advised_draft_length=self.advice,
             timings=VerifyTimings(queue_ms=0.0, forward_ms=1.0, total_ms=1.0),
         )

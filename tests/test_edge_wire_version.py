@@ -1,7 +1,8 @@
 """The wire version: an edge serves only a verifier of its own (README, "Compatibility").
 
 Specification:
-- The verifier's /health carries ``wire_version`` (``WIRE_VERSION``: 1 in the first release, 2 since the advice may be 0).
+- The verifier's /health carries ``wire_version`` (``WIRE_VERSION``: 1 in the first release, 2
+  since the advice may be 0, 3 since continuation).
 - At start-up an edge refuses a verifier of another wire version, or one whose /health carries
   none: start-up fails with a message naming both versions, before the rest of that /health
   (whose shape may differ) is read.
@@ -28,8 +29,10 @@ NEXT_VERSION = WIRE_VERSION + 1
 URL = "http://verifier"
 
 
-def test_this_release_speaks_wire_version_2():
-    assert WIRE_VERSION == 2  # 2: the advice may be 0 (an edge of version 1 would refuse such a verdict)
+def test_this_release_speaks_wire_version_3():
+    # 2: the advice may be 0 (an edge of version 1 would refuse such a verdict); 3: continuation
+    # (an edge of version 2 would digest a verdict without its continued_tokens, and fail it)
+    assert WIRE_VERSION == 3
 
 
 @pytest.mark.parametrize(("body", "refused"), [

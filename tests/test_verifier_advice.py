@@ -14,7 +14,9 @@ from verifier_service.backends.transformers.advice import (
     BusyFraction,
     CostLine,
     ForwardCurve,
+    Saturation,
     advised_lengths,
+    newcomer_length,
 )
 from verifier_support import (
     MAX_DRAFT,
@@ -51,6 +53,14 @@ def test_past_the_knee_blocks_shorten_toward_one_row_per_token():
     alphas = {session: 0.75 for session in range(8)}
     assert set(advised_lengths(alphas, CostLine(0.26, 0.03), 0, 64).values()) == {1}
     assert set(advised_lengths(alphas, CostLine(0.26, 0.011), 0, 64).values()) == {3}
+
+
+def test_a_session_that_has_not_drafted_yet_is_advised_as_one_more_drafter_at_its_prior():
+    alphas = {session: 0.75 for session in range(8)}
+    past_the_knee, below_it = CostLine(0.26, 0.03), CostLine(0.25, 0.0)
+    assert newcomer_length(alphas, 0.6, past_the_knee, 0, 64) == advised_lengths(alphas | {"new": 0.6}, past_the_knee, 0, 64)["new"] <= 1
+    assert newcomer_length(alphas, 0.6, below_it, 0, 64) == 64
+    assert newcomer_length({}, 0.6, past_the_knee, 0, 64) == advised_lengths({"new": 0.6}, past_the_knee, 0, 64)["new"]
 
 
 def test_rows_go_to_the_sessions_whose_drafts_the_target_keeps():
@@ -171,6 +181,19 @@ def test_busy_fraction_of_the_recent_past():
         busy.observe(clock + 0.3, clock + 0.6)
         clock += 0.6
     assert busy.fraction == pytest.approx(0.5, abs=0.02)
+
+
+def test_saturation_has_hysteresis_so_the_advice_does_not_flicker():
+    saturation = Saturation()
+    assert [saturation.observe(fraction) for fraction in (0.8, 0.86, 0.8, 0.72, 0.69, 0.8, 0.85)] == [
+        False,  # not yet
+        True,  # reached
+        True,  # a gap of answering between forwards: still saturated
+        True,
+        False,  # idle for real
+        False,  # not yet again
+        True,
+    ]
 
 
 # --- the service ---------------------------------------------------------------------------------

@@ -587,6 +587,42 @@ def test_prompts_past_the_knee_do_not_turn_holding_off():
     assert sessions_per_forward.count(2) >= 6, sessions_per_forward
 
 
+def _advice_after_busy_blocks(num_edges: int) -> list[int | None]:
+    """Edges calling back to back (the target never idle) with blocks of 10-12 drafted tokens,
+    all accepted, against ``KneeRunner`` (past its 9-row knee); each edge's advice at the end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    prompt = list(range(20))
+
+    async def edge(scheduler, session_id: str) -> None:
+        await scheduler.submit(BlockToVerify(session_id, prompt, [], None, GREEDY), time.perf_counter())
+        context = prompt + [1]
+        for index in range(9):
+            block = [7] * (10 + index % 3)
+            await scheduler.submit(BlockToVerify(session_id, context, block, None, GREEDY), time.perf_counter())
+            context = context + block + [0]
+
+    async def run() -> list[int | None]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(KneeRunner(), executor, SchedulerLimits(max_batch_sessions=4, max_draft_length=16))
+            edges = [f"e{k}" for k in range(num_edges)]
+            await asyncio.gather(*(edge(scheduler, session_id) for session_id in edges))
+            advice = [scheduler.advice_for(session_id) for session_id in edges]
+            await scheduler.aclose()
+        return advice
+
+    return asyncio.run(run())
+
+
+def test_one_session_alone_is_advised_the_limit_even_while_the_target_never_idles():
+    # Its rows delay nobody else; its edge's own policy chooses its speed (past the knee too).
+    # Two such sessions are advised shorter blocks.
+    assert _advice_after_busy_blocks(1) == [16]
+    assert all(advice is not None and advice < 16 for advice in _advice_after_busy_blocks(2))
+
+
 def test_the_fraction_rule_at_zero_never_holds():
     assert _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_rule="fraction", hold_fraction=0.0)).count(2) <= 2
 

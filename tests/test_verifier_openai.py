@@ -334,6 +334,7 @@ VERIFIER_COUNTERS = [
     "model_forward_rows",
     "cut_blocks",
     "cut_tokens",
+    "continued_tokens",
     "native_requests",  # vLLM's own decode loop (--target-route native): 0 here
     "native_aborted",
     "prompt_tokens",

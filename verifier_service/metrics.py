@@ -94,6 +94,12 @@ class VerifierMetrics:
         self.cut_tokens = Counter(
             "spade_verifier_cut_tokens", "Drafted tokens cut off blocks longer than the advice", registry=self.registry
         )
+        self.continued_tokens = Counter(
+            "spade_verifier_continued_tokens",
+            "Tokens the verifier decoded on by itself after a verify call's verdict (its advice 0, the call allowing"
+            " it: max_continued_tokens); each is also a target-only step in spade_verifier_forward_passes",
+            registry=self.registry,
+        )
         self.native_requests = Counter(
             "spade_verifier_native_requests",
             (
@@ -143,9 +149,9 @@ class VerifierMetrics:
         self.model_forward_rows.inc(record.num_rows)
         self.forward_sessions.observe(record.num_sessions)
 
-    def observe_verify(self, num_drafted: int, verdict: BlockVerdict, advice: int) -> None:
+    def observe_verify(self, num_drafted: int, verdict: BlockVerdict) -> None:
+        """A verify call's verdict (its continued steps are ``observe_forward``s of their own)."""
         self.observe_forward(verdict, num_drafted)
-        self.advised_draft_length.observe(advice)
         self.verify_calls.inc()
         self.drafted_tokens.inc(num_drafted)
         self.accepted_tokens.inc(verdict.num_accepted)

@@ -51,9 +51,23 @@ further. A block longer than the session's last advice is cut to it before it is
 verifying a prefix of a block is exact (the verdict is the one a block of that length gets), so
 an edge that ignores the advice is still served exactly, but cannot lengthen everyone's forwards.
 
+Continuation. A call may allow ``max_continued_tokens`` (K > 0): where the verifier's advice
+after the call is 0 (its forwards are past the point where a drafted row pays, so the edge's next
+call would carry no block), it goes on decoding the session by itself, one target-only step per
+forward of its own scheduler, and answers the tokens in ``continued_tokens``: each the target's
+own next token, drawn with that position's seeded draws, exactly what empty-block calls would
+have got one by one. It stops after K tokens, at an end-of-sequence token, at the context limit,
+or as soon as its advice for the session is above 0 again (drafting pays again). Past the knee
+a session then costs the verifier one row per token and one call per K tokens, as a target-only
+user does, instead of a call per token. The committed context after the call is context +
+accepted + next + continued. Example, the verifier saturated:
+    {"session_id": "s", "prefix_length": 13, ..., "draft_tokens": [], "max_continued_tokens": 4}
+    -> {"num_accepted": 0, "next_token": t, "continued_tokens": [u, v, w, x], "context_length": 18,
+        "advised_draft_length": 0, ...}
+
 Logprobs. Only a call with ``num_top_logprobs`` (N >= 0) gets them: ``logprobs`` per emitted
-token and, in ``top_logprobs``, its N most likely alternatives, all the target's
-(``spade_core.sampling.reported_logprobs``). Without it (the default) nothing is computed,
+token (accepted drafts, next, continued) and, in ``top_logprobs``, its N most likely
+alternatives, all the target's (``spade_core.sampling.reported_logprobs``). Without it (the default) nothing is computed,
 ``logprobs`` is [] and ``top_logprobs`` null. ``VerifierHealth.logprobs_support`` says which
 calls may ask.
 
@@ -61,10 +75,8 @@ Versions. ``WIRE_VERSION`` numbers this wire; the verifier's ``/health`` carries
 works only with a verifier of its own version (it refuses to start against another, and while
 running answers 503 ``verifier_incompatible``). A change an edge of the current version would
 misread (a field renamed, removed or newly required, a meaning changed) takes the next version.
-``cache_salt`` and ``num_cached_tokens`` came within version 1 without changing what an edge of
-it reads: a salt-less call (all an older edge sends) has the fingerprint it always had, an older
-verifier refuses a salted call (400, unknown field) rather than ignore it, and the verdict's
-``num_cached_tokens`` lies outside its digest.
+Versions: 1, the first release; 2, the advice may be 0; 3, continuation (``max_continued_tokens``,
+``continued_tokens``, and the request fingerprint covers every field).
 
 Prefix caching. Calls that start a session's cache (``prefix_length`` 0) may start it from a
 prefix another session of the same namespace (``cache_salt`` and, by default, API key:
@@ -83,10 +95,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gateway.engine import LogprobsSupport
 from gateway.model import ModelDescription
 from gateway.protocol import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
-from spade_core.params import SamplingConfig
+from spade_core.params import MAX_CONTINUED_TOKENS, SamplingConfig
 
-WIRE_VERSION = 2
-"""The version of this wire (first release: 1; 2: the advice may be 0). See the module's "Versions"."""
+WIRE_VERSION = 3
+"""The version of this wire (first release: 1; 2: the advice may be 0; 3: continuation). See the module's "Versions"."""
 
 SESSION_RESYNC_CODE = "session_resync_required"
 
@@ -169,11 +181,17 @@ class VerifyRequest(UnicodeChecked):
         "prefixes: the OpenAI request's cache_salt, with the edge's caller folded in.",
     )
 
+    max_continued_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_CONTINUED_TOKENS,
+        description="Up to this many tokens the verifier may decode on by itself after next_token, where its advice "
+        "is 0 (see continued_tokens); 0: never.",
+    )
+
     def fingerprint(self) -> str:
-        """Digest of the call's fields (the salt only when set: a salt-less call's fingerprint
-        is the one wire version 1 always had)."""
-        unset = {"cache_salt"} if self.cache_salt is None else set()
-        return hashlib.blake2b(self.model_dump_json(exclude=unset).encode(), digest_size=16).hexdigest()
+        """Digest of the call's fields, all of them."""
+        return hashlib.blake2b(self.model_dump_json().encode(), digest_size=16).hexdigest()
 
 
 class VerifyTimings(BaseModel):
@@ -208,12 +226,18 @@ class VerifyResponse(BaseModel):
     logprobs: list[float] = Field(
         default_factory=list,
         description="With num_top_logprobs: the target's log-probability of each emitted token (accepted drafts, "
-        "then next; spade_core.sampling.reported_logprobs). Otherwise empty.",
+        "then next, then continued; spade_core.sampling.reported_logprobs). Otherwise empty.",
     )
     top_logprobs: list[TopLogprobs] | None = Field(
         default=None, description="With num_top_logprobs: per emitted token, its most likely alternatives. Otherwise null."
     )
-    context_length: int = Field(description="Committed length after this call (context + accepted + next).")
+    continued_tokens: list[int] = Field(
+        default_factory=list,
+        description="Tokens the target decoded on by itself after next_token (at most the call's max_continued_tokens, "
+        "only where the advice was 0): its own next tokens with their positions' seeded draws, what calls without a "
+        "block would have got one by one.",
+    )
+    context_length: int = Field(description="Committed length after this call (context + accepted + next + continued).")
     num_target_tokens: int = Field(description="Tokens in the target's forward pass for this call.")
     advised_draft_length: int = Field(
         ge=0,
@@ -238,8 +262,8 @@ class VerifyResponse(BaseModel):
 
 UNDIGESTED_FIELDS = frozenset({"verdict_digest", "replayed", "num_cached_tokens"})
 """The verdict's fields outside its digest: the digest itself, ``replayed``, the one field a
-replay changes, and ``num_cached_tokens`` (accounting only, added within wire version 1: an edge
-that predates it digests the verdict without it). ``timings`` are inside: the draft-length
+replay changes, and ``num_cached_tokens`` (accounting only: which session's prefill it copied
+is not the edge's concern). ``timings`` are inside: the draft-length
 policy and the request's stats read them, and a replay returns the stored ones unchanged."""
 
 

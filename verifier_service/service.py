@@ -4,14 +4,16 @@ leaves the session as it was."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from gateway.engine import TopLogprobs as TopLogprobsOfToken
 from gateway.engine import check_logprobs_support
-from gateway.errors import InvalidRequestError, SessionConflictError
+from gateway.errors import InvalidRequestError, OverloadedError, SessionConflictError
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
@@ -30,6 +32,8 @@ from verifier_service.sessions import Session, SessionRegistry
 
 PROB_SUM_TOLERANCE = 1e-3
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class VerifyLimits:
@@ -37,10 +41,23 @@ class VerifyLimits:
     """Longest draft length (drafted tokens) accepted in one call."""
     max_draft_support: int = 256
     """Most tokens in one drafted position's sparse distribution."""
+    max_continued_tokens: int = 64
+    """Most tokens one call continues by itself (``continued``), whatever the call allows; 0: never."""
 
     def __post_init__(self) -> None:
-        if self.max_draft_length < 1 or self.max_draft_support < 1:
-            raise ValueError("verify limits must be positive")
+        if self.max_draft_length < 1 or self.max_draft_support < 1 or self.max_continued_tokens < 0:
+            raise ValueError("verify limits must be positive (max_continued_tokens: >= 0)")
+
+
+@dataclass
+class Continuation:
+    """The target-only steps one call ran on by itself after its verdict (``VerifierService.continued``)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobsOfToken] = field(default_factory=list)
+    num_target_tokens: int = 0
+    forward_s: float = 0.0
 
 
 class VerifierService:
@@ -89,19 +106,69 @@ class VerifierService:
                 verdict = await self.backend.verify_block(block)
             finally:
                 session.reserved_tokens = 0
-            advised = self.backend.advised_draft_length(session.session_id)
-            advice = self.limits.max_draft_length if advised is None else advised
-            emitted = draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
-            committed = context + emitted
+            self.metrics.observe_verify(len(draft_tokens), verdict)
+            advice = self._advice(session.session_id)
+            committed = context + draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
+            continuation = Continuation()
+            if advice == 0 and verdict.next_token_id not in self.backend.model.eos_token_ids:
+                continuation = await self.continued(
+                    session, block, committed, min(request.max_continued_tokens, self.limits.max_continued_tokens)
+                )
+                committed += continuation.token_ids
+                advice = self._advice(session.session_id)
             committed_digest = context_digest(committed)
-            response = sealed(self._response(request, len(context), verdict, received_at, advice), fingerprint, committed_digest)
+            response = self._response(request, len(context), verdict, continuation, received_at, advice)
+            response = sealed(response, fingerprint, committed_digest)
             session.commit(committed, committed_digest, fingerprint, response)
             session.advised_draft_length = advice
-        self.metrics.observe_verify(len(draft_tokens), verdict, advice)
+        self.metrics.advised_draft_length.observe(advice)
         if request.prefix_length == 0:
             self.metrics.prompt_tokens.inc(len(context))
         self._evict(keep=session.session_id)
         return response
+
+    def _advice(self, session_id: str) -> int:
+        advised = self.backend.advised_draft_length(session_id)
+        return self.limits.max_draft_length if advised is None else advised
+
+    async def continued(self, session: Session, block: BlockToVerify, committed: list[int], max_tokens: int) -> Continuation:
+        """Target-only steps of ``session`` after its committed context, while the backend's
+        advice for it stays 0 (no drafted row pays), at most ``max_tokens``, through an
+        end-of-sequence token, within the context limit. Each step is the call a block-less
+        verify call would make (the same scheduler, cache and seeded draws), so the tokens are
+        exactly those. A step that fails ends the continuation: what came before it stands."""
+        continuation = Continuation()
+        max_tokens = min(max_tokens, self.backend.model.room(len(committed)))
+        if max_tokens <= 0:
+            return continuation
+        context = list(committed)
+        try:
+            self._release(self.sessions.reserve(session, len(committed) + max_tokens), retain=False)
+        except OverloadedError:
+            return continuation  # no room to grow the cache now: the edge's next call asks again
+        try:
+            while len(continuation.token_ids) < max_tokens:
+                step = replace(block, context_token_ids=context, draft_token_ids=[], draft_probs=None)
+                try:
+                    verdict = await self.backend.verify_block(step)
+                except Exception:  # the verdict already answered stands; the next call goes on
+                    logger.warning(
+                        "session %s: continuing failed after %d tokens", session.session_id, len(continuation.token_ids), exc_info=True
+                    )
+                    break
+                self.metrics.observe_forward(verdict)
+                self.metrics.continued_tokens.inc()
+                continuation.token_ids.append(verdict.next_token_id)
+                continuation.logprobs += verdict.logprobs or []
+                continuation.top_logprobs += verdict.top_logprobs or []
+                continuation.num_target_tokens += verdict.num_target_tokens
+                continuation.forward_s += verdict.forward_s
+                context.append(verdict.next_token_id)
+                if verdict.next_token_id in self.backend.model.eos_token_ids or self._advice(session.session_id) > 0:
+                    break
+        finally:
+            session.reserved_tokens = 0
+        return continuation
 
     def _cut_to_advice(
         self, session: Session, draft_tokens: list[int], draft_probs: torch.Tensor | None
@@ -195,28 +262,38 @@ class VerifierService:
         )
 
     def _response(
-        self, request: VerifyRequest, context_length: int, verdict: BlockVerdict, received_at: float, advice: int
+        self,
+        request: VerifyRequest,
+        context_length: int,
+        verdict: BlockVerdict,
+        continuation: Continuation,
+        received_at: float,
+        advice: int,
     ) -> VerifyResponse:
+        """The verdict on the wire; the timings' queue and model times are the verdict's, the
+        forward time covers the continued steps' forwards too."""
+        num_continued = len(continuation.token_ids)
         return VerifyResponse(
             session_id=request.session_id,
             num_accepted=verdict.num_accepted,
             next_token=verdict.next_token_id,
             next_token_kind="bonus" if verdict.is_bonus else "correction",
             # [] when not asked (the wire's logprobs is always a list)
-            logprobs=verdict.logprobs or [],
+            logprobs=(verdict.logprobs or []) + continuation.logprobs,
             top_logprobs=None
             if verdict.top_logprobs is None
             else [
                 TopLogprobs(token_ids=[token_id for token_id, _ in top], logprobs=[logprob for _, logprob in top])
-                for top in verdict.top_logprobs
+                for top in verdict.top_logprobs + continuation.top_logprobs
             ],
-            context_length=context_length + verdict.num_accepted + 1,
-            num_target_tokens=verdict.num_target_tokens,
+            continued_tokens=continuation.token_ids,
+            context_length=context_length + verdict.num_accepted + 1 + num_continued,
+            num_target_tokens=verdict.num_target_tokens + continuation.num_target_tokens,
             advised_draft_length=advice,
             num_cached_tokens=verdict.num_cached_tokens,
             timings=VerifyTimings(
                 queue_ms=verdict.queue_s * 1e3,
-                forward_ms=verdict.forward_s * 1e3,
+                forward_ms=(verdict.forward_s + continuation.forward_s) * 1e3,
                 total_ms=(time.perf_counter() - received_at) * 1e3,
                 model_ms=None if verdict.model_s is None else verdict.model_s * 1e3,
             ),

@@ -8,6 +8,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from gateway.settings import ServiceSettings
+from spade_core.params import MAX_CONTINUED_TOKENS
 
 if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and must not
     from verifier_service.backends.cpu_kernels import BatchInvariance
@@ -30,6 +31,15 @@ class VerifierSettings(ServiceSettings):
     )
     max_draft_length: int = Field(64, ge=1, description="Longest draft length (drafted tokens) one verify call may carry.")
     max_draft_support: int = Field(256, ge=1, description="Most tokens in one drafted position's distribution.")
+    max_continued_tokens: int = Field(
+        64,
+        ge=0,
+        le=MAX_CONTINUED_TOKENS,
+        description=(
+            "Most tokens one verify call may have the verifier decode on by itself while its advice is 0 (past the point"
+            " where a drafted row pays: one call per that many tokens instead of one per token); 0: never."
+        ),
+    )
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
     max_session_tokens: int = Field(2_000_000, ge=1, description="Committed tokens kept over all sessions.")
     session_ttl_s: float = Field(600.0, gt=0, description="Idle seconds before a session is dropped.")
@@ -179,4 +189,4 @@ class VerifierSettings(ServiceSettings):
     def verify_limits(self) -> VerifyLimits:
         from verifier_service.service import VerifyLimits
 
-        return VerifyLimits(self.max_draft_length, self.max_draft_support)
+        return VerifyLimits(self.max_draft_length, self.max_draft_support, self.max_continued_tokens)

@@ -8,10 +8,12 @@ Glossary:
                 = (1 - alpha^(d + 1)) / (1 - alpha) (the accepted drafts, then one more)
     saturated   the target has been busy nearly all of the recent past: its forwards follow
                 each other, and a row one session adds delays everyone's next token
+                (``Saturation``: from 85 % busy on, until below 70 %)
 
 Below saturation the verifier has idle time between forwards: a longer block costs the others
-nothing, so the advice is the verifier's limit and no edge is held back (one user alone is never
-slowed down). Saturated, the verifier maximises the committed tokens per second of all sessions
+nothing, so the advice is the verifier's limit and no edge is held back. Nor is one session
+alone, saturated or not (the scheduler's rule): its rows delay nobody else, and its edge's own
+policy chooses its speed. Saturated, the verifier maximises the committed tokens per second of all sessions
 together, sum E_s(d_s) / t(R) with R = sum (d_s + 1) plus the rows of prompts being prefilled:
 starting from d_s = 0, it hands out one drafted row at a time to the session whose next row is
 most likely kept (alpha_s^(d_s + 1)), while that raises the rate. Past the CPU's knee every row
@@ -47,7 +49,13 @@ MAX_POINT_AGE = 500
 """A row count not seen in this many forwards leaves t(R) (the machine's speed may have changed
 since), unless fewer than two would remain."""
 SATURATION = 0.85
-"""Busy fraction of the recent past above which the verifier is saturated."""
+"""Busy fraction of the recent past at which the verifier becomes saturated."""
+UNSATURATION = 0.7
+"""Busy fraction below which a saturated verifier is no longer so. Between the two it stays as it
+was: under load each forward is followed by a gap of HTTP and answering (idle for the target),
+which puts the fraction near SATURATION, and without this band the advice flickered between the
+saturated lengths and the verifier's limit (measured at N = 16: 91 of 244 calls advised 64, and
+edges sent blocks of 16 into a saturated verifier)."""
 BUSY_WINDOW_S = 4.0
 """The recent past the busy fraction is measured over (an exponential window of this scale)."""
 
@@ -184,6 +192,31 @@ class BusyFraction:
     @property
     def fraction(self) -> float:
         return 0.0 if self.elapsed <= 0 else self.busy / self.elapsed
+
+
+@dataclass
+class Saturation:
+    """Whether the verifier is saturated, from its busy fraction, with hysteresis: it becomes so
+    at ``SATURATION`` and stops only below ``UNSATURATION``."""
+
+    is_saturated: bool = False
+
+    def observe(self, busy_fraction: float) -> bool:
+        if busy_fraction >= SATURATION:
+            self.is_saturated = True
+        elif busy_fraction < UNSATURATION:
+            self.is_saturated = False
+        return self.is_saturated
+
+
+def newcomer_length(alphas: dict[K, float], newcomer_alpha: float, cost: ForwardTime, other_rows: int, max_length: int) -> int:
+    """The advice for a session that has not drafted yet (its first block comes next): what
+    ``advised_lengths`` would give it as one more drafting session of acceptance
+    ``newcomer_alpha`` (its prior), beside the drafting sessions ``alphas`` and ``other_rows``
+    (which must not count its own row). The others' advice is left as it was planned. Without
+    this a newcomer got the verifier's limit and sent a block of 16 into a saturated target."""
+    newcomer = object()
+    return advised_lengths({**alphas, newcomer: newcomer_alpha}, cost, other_rows, max_length)[newcomer]
 
 
 def advised_lengths(alphas: dict[K, float], cost: ForwardTime, other_rows: int, max_length: int) -> dict[K, int]:

@@ -9,7 +9,7 @@ Glossary:
                 ~0.37 s of a 0.43 s one-row forward, on a GPU nearly all of a small forward)
     E           what the due rows add to the queued sessions' forward: t(R_q + R_d) - t(R_q)
                 (b R_d on a line: each row's arithmetic)
-    saturated   the target's forwards follow each other (``advice.BusyFraction``)
+    saturated   the target's forwards follow each other (``advice.Saturation``)
 
 Two plans, the same rows either way:
 

@@ -52,11 +52,12 @@ from dataclasses import dataclass, field
 from spade_models.kv_cache import common_prefix_length
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, ForwardRecord
 from verifier_service.backends.transformers.advice import (
-    SATURATION,
     AcceptanceRate,
     BusyFraction,
     ForwardCurve,
+    Saturation,
     advised_lengths,
+    newcomer_length,
 )
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
 from verifier_service.backends.transformers.prefix_store import BLOCK_TOKENS
@@ -294,6 +295,7 @@ class Scheduler:
         self._typical_gap = GapEstimate(TYPICAL_GAP_DECAY)
         self._cost = ForwardCurve()
         self._busy = BusyFraction()
+        self._saturation = Saturation()
         self._after_chunk = False
         """The last forward fed a big chunk of a prompt (``plan_forward``)."""
 
@@ -419,17 +421,20 @@ class Scheduler:
         if blocks_only:  # the cost curve of the forwards the advice and the hold rule plan
             self._cost.observe(record.num_rows, record.model_s)
         self._busy.observe(started, ended)
+        self._saturation.observe(self._busy.fraction)
         if self.observe_forward is not None:
             self.observe_forward(record)
 
     def _advise(self, answered: list[str]) -> None:
-        """Each answered session's next block length, from all active sessions' acceptance."""
-        if not self._cost.is_known or self._busy.fraction < SATURATION:
+        """Each answered session's next block length, from all active sessions' acceptance; the
+        verifier's limit while it is not saturated or serves one session alone (whose rows
+        delay nobody else: its edge's own policy chooses its speed)."""
+        active = [self._paces[session_id] for session_id in self._active_sessions()]
+        if not self._cost.is_known or not self._saturation.is_saturated or len(active) < 2:
             for session_id in answered:
                 if session_id in self._paces:
                     self._paces[session_id].advice = self.limits.max_draft_length
             return
-        active = [self._paces[session_id] for session_id in self._active_sessions()]
         alphas = {id(pace): pace.acceptance.alpha for pace in active if pace.drafts}
         prefill_rows = sum(max(0, self._need(call) - self.limits.max_block_rows) for call in self._queue)
         # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
@@ -437,8 +442,12 @@ class Scheduler:
         lengths = advised_lengths(alphas, self._cost, other_rows, self.limits.max_draft_length)
         for session_id in answered:
             pace = self._paces.get(session_id)
-            if pace is not None:
-                pace.advice = lengths.get(id(pace), self.limits.max_draft_length)
+            if pace is None:
+                continue
+            if pace.drafts:
+                pace.advice = lengths[id(pace)]
+            else:  # not drafted yet (a prompt-only call; a target-only step, which ignores it)
+                pace.advice = newcomer_length(alphas, pace.acceptance.alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
 
     def _active_sessions(self) -> list[str]:
         now = time.perf_counter()
@@ -483,7 +492,7 @@ class Scheduler:
             window = self.limits.hold_fraction * cost.seconds(rows)
             wait_s = max((wait for wait, _ in due if wait <= window), default=None)
         else:
-            saturated = self._busy.fraction >= SATURATION
+            saturated = self._saturation.is_saturated
             wait_s = latest_worth_holding(due, cost, Sessions(len(queued), rows), saturated, self.limits.hold_scale)
         if wait_s is None:
             return None
