@@ -445,7 +445,7 @@ class Scheduler:
             if pace is None:
                 continue
             if pace.drafts:
-                pace.advice = lengths[id(pace)]
+                pace.advice = lengths.get(id(pace), self.limits.max_draft_length)
             else:  # not drafted yet (a prompt-only call; a target-only step, which ignores it)
                 pace.advice = newcomer_length(alphas, pace.acceptance.alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
 
