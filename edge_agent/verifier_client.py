@@ -4,9 +4,9 @@ calls (safe: the verifier answers a repeated call from memory), and session clea
 
 No verdict reaches the engine unchecked (``checked_verdict``): it must parse, belong to the call
 and carry the ``verdict_digest`` the edge recomputes over the request it sent, the verdict and
-its OWN committed context + accepted + next (verifier_service.protocol). An answer that fails
-(garbled, truncated, schema-invalid, rewritten on the way, a 5xx) is treated as lost: the same
-call again (the verifier replays it from memory, so the session never advances twice), then
+its OWN committed context + accepted + next + continued (verifier_service.protocol). An answer
+that fails (garbled, truncated, schema-invalid, rewritten on the way, a 5xx) is treated as lost:
+the same call again (the verifier replays it from memory, so the session never advances twice), then
 the whole context resent from the edge's own committed tokens (never the verifier's), then a
 502 (``BadGatewayError``). The engine's context therefore only ever grows by verified tokens."""
 
@@ -384,8 +384,9 @@ def checked_verdict(response: httpx.Response, request: VerifyRequest, fingerprin
     refusal of the call itself (another 4xx).
 
     ``context``: the edge's own committed context the call continues. The digest binds the
-    verdict to ``fingerprint`` (this request) and to context + accepted + next: a rewritten
-    ``next_token`` or ``num_accepted``, a flipped bit, a stale or foreign answer all fail it."""
+    verdict to ``fingerprint`` (this request) and to context + accepted + next + continued: a
+    rewritten ``next_token``, ``num_accepted`` or continued token, a flipped bit, a stale or
+    foreign answer all fail it."""
     if response.status_code == 409 and _error_code(response) == SESSION_RESYNC_CODE:
         raise SessionLostError()
     if response.status_code >= 500:

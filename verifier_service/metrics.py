@@ -33,7 +33,7 @@ class VerifierMetrics:
         self.generated_tokens = Counter(
             "spade_verifier_generated_tokens",
             (
-                "Tokens the target committed (accepted + next), counted before the edge trims a final block "
+                "Tokens the target committed (accepted + next, and each continued token), counted before the edge trims a final block "
                 "at an end-of-sequence token or max_tokens: can exceed the edges' spade_edge_generated_tokens"
                 " (target-only requests count here too)"
             ),

@@ -26,9 +26,9 @@ Integrity. Every verdict carries ``verdict_digest`` (``verdict_digest()``): a di
 call's request fingerprint, the whole verdict (every field but the digest itself and
 ``replayed``) and the ``context_digest`` of the verifier's committed context after the call.
 The edge recomputes it from the request it sent, the verdict it read and its OWN context +
-accepted + next before emitting a token: a verdict garbled on the way, meant for another call
-or for another context fails the check and is treated as lost (retried: the verifier replays it
-from memory; then resynced from the edge's context). It is a checksum, not a MAC: it catches
+accepted + next (+ continued) before emitting a token: a verdict garbled on the way, meant for
+another call or for another context fails the check and is treated as lost (retried: the
+verifier replays it from memory; then resynced from the edge's context). It is a checksum, not a MAC: it catches
 faults, truncation and rewriting middleboxes, not an attacker on the path (only TLS does).
 
 Example, context c0..c9 committed, the verifier already holds all ten:
