@@ -429,8 +429,9 @@ class Scheduler:
         """Each answered session's next block length, from all active sessions' acceptance; the
         verifier's limit while it is not saturated or serves one session alone (whose rows
         delay nobody else: its edge's own policy chooses its speed)."""
-        active = [self._paces[session_id] for session_id in self._active_sessions()]
-        if not self._cost.is_known or not self._saturation.is_saturated or len(active) < 2:
+        planning = self._cost.is_known and self._saturation.is_saturated  # else no session list is needed
+        active = [self._paces[session_id] for session_id in self._active_sessions()] if planning else []
+        if len(active) < 2:
             for session_id in answered:
                 if session_id in self._paces:
                     self._paces[session_id].advice = self.limits.max_draft_length
@@ -440,14 +441,21 @@ class Scheduler:
         # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
         other_rows = min(prefill_rows, self.limits.max_forward_rows) + sum(not pace.drafts for pace in active)
         lengths = advised_lengths(alphas, self._cost, other_rows, self.limits.max_draft_length)
+        # Sessions that never drafted share their prior acceptance: one plan per forward, however
+        # many target-only steps it answered.
+        newcomer_lengths: dict[float, int] = {}
         for session_id in answered:
             pace = self._paces.get(session_id)
             if pace is None:
                 continue
             if pace.drafts:
                 pace.advice = lengths.get(id(pace), self.limits.max_draft_length)
-            else:  # not drafted yet (a prompt-only call; a target-only step, which ignores it)
-                pace.advice = newcomer_length(alphas, pace.acceptance.alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
+                continue
+            # Not drafted yet (a prompt-only call; a target-only step, which ignores it).
+            alpha = pace.acceptance.alpha
+            if alpha not in newcomer_lengths:
+                newcomer_lengths[alpha] = newcomer_length(alphas, alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
+            pace.advice = newcomer_lengths[alpha]
 
     def _active_sessions(self) -> list[str]:
         now = time.perf_counter()
