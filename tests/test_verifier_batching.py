@@ -623,6 +623,51 @@ def test_one_session_alone_is_advised_the_limit_even_while_the_target_never_idle
     assert all(advice is not None and advice < 16 for advice in _advice_after_busy_blocks(2))
 
 
+def test_a_continued_sessions_next_step_joins_the_next_forward():
+    # Session "a" is continued by its service: its next step comes the moment it is answered,
+    # with no round trip. Edge "b" calls again 30 ms after each answer, during the next forward
+    # (no holding here). Each of a's steps must make the forward that starts right after its
+    # answer: planned before the step was submitted, that forward ran b's call alone and a
+    # missed it.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    async def continued(scheduler) -> None:
+        await scheduler.submit(BlockToVerify("a", [1, 2], [3], None, GREEDY), time.perf_counter())
+        for index in range(8):
+            step = BlockToVerify("a", [1, 2] + [4] * (index + 1), [], None, GREEDY, continued_step=True)
+            await scheduler.submit(step, time.perf_counter())
+
+    async def edge(scheduler) -> None:
+        await asyncio.sleep(0.01)
+        for _ in range(8):
+            await scheduler.submit(BlockToVerify("b", [5, 6], [7], None, GREEDY), time.perf_counter())
+            await asyncio.sleep(0.03)
+
+    class NamingRunner(SlowRunner):
+        def __init__(self, forward_s: float) -> None:
+            super().__init__(forward_s)
+            self.forwards: list[set[str]] = []
+
+        def run(self, shares):
+            self.forwards.append({share.block.session_id for share in shares})
+            return super().run(shares)
+
+    async def run() -> list[set[str]]:
+        runner = NamingRunner(0.05)
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(runner, executor, SchedulerLimits(max_batch_sessions=4, hold_scale=0.0))
+            await asyncio.gather(continued(scheduler), edge(scheduler))
+            await scheduler.aclose()
+        return runner.forwards
+
+    forwards = asyncio.run(run())
+    assert sum(len(sessions) for sessions in forwards) == 17
+    last_of_a = max(index for index, sessions in enumerate(forwards) if "a" in sessions)
+    assert all("a" in sessions for sessions in forwards[: last_of_a + 1]), forwards
+
+
 def test_the_fraction_rule_at_zero_never_holds():
     assert _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_rule="fraction", hold_fraction=0.0)).count(2) <= 2
 

@@ -148,7 +148,7 @@ class VerifierService:
             return continuation  # no room to grow the cache now: the edge's next call asks again
         try:
             while len(continuation.token_ids) < max_tokens:
-                step = replace(block, context_token_ids=context, draft_token_ids=[], draft_probs=None)
+                step = replace(block, context_token_ids=context, draft_token_ids=[], draft_probs=None, continued_step=True)
                 try:
                     verdict = await self.backend.verify_block(step)
                 except Exception:  # the verdict already answered stands; the next call goes on

@@ -46,6 +46,10 @@ class BlockToVerify:
     cache_namespace: str | None = None
     """Where the backend may share this context's KV with other sessions
     (``prefix_store.prefix_namespace``: salt and key); None shares nothing."""
+    continued_step: bool = False
+    """A step the service runs on by itself right after its session's answer
+    (``VerifierService.continued``): no round trip came before it, so it says nothing of when
+    the session's edge calls."""
 
     @property
     def num_drafted(self) -> int:

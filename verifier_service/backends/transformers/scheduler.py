@@ -20,11 +20,14 @@ A call whose caller went away is dropped before it costs a row.
 
 Holding (forwards that serve many sessions): the scheduler learns each session's gap between
 its answer and its next call (mean and spread; a new session is expected after the gap typical of
-all), and the rows it fed. When a forward is about to start, it waits for the sessions not yet
-queued that are due soon while ``hold.latest_worth_holding`` says the expected wait costs less
-than merging the forwards saves (``hold_rule`` "cost", scaled by ``hold_scale``), or,
-with ``hold_rule`` "fraction", for those due within ``hold_fraction`` of the forward's expected
-time: N edges' calls then meet in one forward instead of alternating. A session held for is
+all), and the rows it fed. The steps a service continues a session by (``continued_step``) come
+with no round trip and teach no gap; the scheduler yields to the event loop before planning each
+forward, so such a step, submitted the moment its session is answered, joins the next forward.
+When a forward is about to start, it waits for the sessions not yet queued that are due soon
+while ``hold.latest_worth_holding`` says the expected wait costs less than merging the forwards
+saves (``hold_rule`` "cost", scaled by ``hold_scale``), or, with ``hold_rule`` "fraction", for
+those due within ``hold_fraction`` of the forward's expected time: N edges' calls then meet in
+one forward instead of alternating. A session held for is
 awaited a little past its expected time (``hold_late_deviations`` of its gaps' spread, at most
 a one-row forward): an edge's gap varies with its block length, and one that came 10 ms late after
 its mean would otherwise find the forward gone and fall out of phase. The forward cost t(R)
@@ -44,6 +47,7 @@ its next block (the verifier's limit while the target is not saturated).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -62,6 +66,8 @@ from verifier_service.backends.transformers.advice import (
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
 from verifier_service.backends.transformers.prefix_store import BLOCK_TOKENS
 from verifier_service.backends.transformers.runner import ModelRunner, Share, ShareResult
+
+logger = logging.getLogger(__name__)
 
 MIN_CHUNK_ROWS = 16
 """Rows of every forward kept for the oldest big call while one waits."""
@@ -301,9 +307,13 @@ class Scheduler:
 
     async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         future = asyncio.get_running_loop().create_future()
-        gap_s = self._pace(block.session_id).arrived(queued_at)
-        if gap_s is not None:
-            self._typical_gap.observe(gap_s)
+        pace = self._pace(block.session_id)
+        if block.continued_step:  # no round trip before it: not a gap of the session's edge
+            pace.answered_at = None
+        else:
+            gap_s = pace.arrived(queued_at)
+            if gap_s is not None:
+                self._typical_gap.observe(gap_s)
         self._queue.append(PendingCall(block, queued_at, future))
         self._ensure_worker()
         self._arrived.set()
@@ -361,6 +371,10 @@ class Scheduler:
     async def _serve_queue(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
+            # The sessions just answered that their service continues submit their next steps
+            # now, in time for the next forward (else it starts without them whenever another
+            # call is queued, and they miss every other forward).
+            await asyncio.sleep(0)
             await self._gather()
             self._drop_abandoned()
             planned = plan_forward(self._ready(), self._need, self.limits, self._after_chunk)
@@ -374,6 +388,7 @@ class Scheduler:
                 self._account(record, started, time.perf_counter(), feeds_blocks_only(planned, results))
                 self._answer([call for call, _ in planned], results, record, started)
             except Exception as error:  # every caller of the forward still waiting gets the error
+                logger.warning("a forward of %d call(s) failed", len(planned), exc_info=True)
                 for call, _ in planned:
                     if call in self._queue:
                         self._queue.remove(call)
