@@ -27,12 +27,12 @@ When a forward is about to start, it waits for the sessions not yet queued that 
 while ``hold.latest_worth_holding`` says the expected wait costs less than merging the forwards
 saves (``hold_rule`` "cost", scaled by ``hold_scale``), or, with ``hold_rule`` "fraction", for
 those due within ``hold_fraction`` of the forward's expected time: N edges' calls then meet in
-one forward instead of alternating. A session held for is
-awaited a little past its expected time (``hold_late_deviations`` of its gaps' spread, at most
-a one-row forward): an edge's gap varies with its block length, and one that came 10 ms late after
-its mean would otherwise find the forward gone and fall out of phase. The forward cost t(R)
-both the hold rule and the advice plan with is the curve measured per row count
-(``advice.ForwardCurve``), from forwards of blocks alone (``feeds_blocks_only``).
+one forward instead of alternating. A session held for is awaited a little past its expected
+time (``hold_late_deviations`` of its gaps' spread, at most a one-row forward): an edge's gap
+varies with its block length, and one that came 10 ms late after its mean would otherwise find
+the forward gone and fall out of phase. The forward cost t(R) both the hold rule and the advice
+plan with is the curve measured per row count (``advice.ForwardCurve``), from forwards of
+blocks alone (``feeds_blocks_only``).
 
 Shared prefixes arriving together: a call that would start its session's cache (a new
 session's prompt) while an earlier queued call of its namespace is still prefilling a longer
