@@ -6,9 +6,9 @@ No verdict reaches the engine unchecked (``checked_verdict``): it must parse, be
 and carry the ``verdict_digest`` the edge recomputes over the request it sent, the verdict and
 its OWN committed context + accepted + next + continued (verifier_service.protocol). An answer
 that fails (garbled, truncated, schema-invalid, rewritten on the way, a 5xx) is treated as lost:
-the same call again (the verifier replays it from memory, so the session never advances twice), then
-the whole context resent from the edge's own committed tokens (never the verifier's), then a
-502 (``BadGatewayError``). The engine's context therefore only ever grows by verified tokens."""
+the same call again (the verifier replays it from memory, so the session never advances
+twice), then the whole context resent from the edge's own committed tokens (never the
+verifier's), then a 502 (``BadGatewayError``). The engine's context therefore only ever grows by verified tokens."""
 
 from __future__ import annotations
 

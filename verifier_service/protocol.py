@@ -28,8 +28,9 @@ call's request fingerprint, the whole verdict (every field but the digest itself
 The edge recomputes it from the request it sent, the verdict it read and its OWN context +
 accepted + next (+ continued) before emitting a token: a verdict garbled on the way, meant for
 another call or for another context fails the check and is treated as lost (retried: the
-verifier replays it from memory; then resynced from the edge's context). It is a checksum, not a MAC: it catches
-faults, truncation and rewriting middleboxes, not an attacker on the path (only TLS does).
+verifier replays it from memory; then resynced from the edge's context). It is a checksum, not
+a MAC: it catches faults, truncation and rewriting middleboxes, not an attacker on the path
+(only TLS does).
 
 Example, context c0..c9 committed, the verifier already holds all ten:
     {"session_id": "s", "prefix_length": 10, "prefix_digest": digest(c0..c9), "new_tokens": [],

@@ -14,9 +14,9 @@ Below saturation the verifier has idle time between forwards: a longer block cos
 nothing, so the advice is the verifier's limit and no edge is held back. Nor is one session
 alone, saturated or not (the scheduler's rule): its rows delay nobody else, and its edge's own
 policy chooses its speed. Saturated, the verifier maximises the committed tokens per second of
-all sessions together, sum E_s(d_s) / t(R) with R = sum (d_s + 1) plus the rows of prompts being prefilled:
-starting from d_s = 0, it hands out one drafted row at a time to the session whose next row is
-most likely kept (alpha_s^(d_s + 1)), while that raises the rate. Past the CPU's knee every row
+all sessions together, sum E_s(d_s) / t(R) with R = sum (d_s + 1) plus the rows of prompts
+being prefilled: starting from d_s = 0, it hands out one drafted row at a time to the session
+whose next row is most likely kept (alpha_s^(d_s + 1)), while that raises the rate. Past the CPU's knee every row
 costs its full arithmetic, so the blocks shorten toward target-only's one row per token (down
 to no block at all, where even one drafted row costs more than it brings); below the knee rows
 are nearly free and the blocks stay long.
