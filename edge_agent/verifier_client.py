@@ -8,7 +8,8 @@ its OWN committed context + accepted + next + continued (verifier_service.protoc
 that fails (garbled, truncated, schema-invalid, rewritten on the way, a 5xx) is treated as lost:
 the same call again (the verifier replays it from memory, so the session never advances
 twice), then the whole context resent from the edge's own committed tokens (never the
-verifier's), then a 502 (``BadGatewayError``). The engine's context therefore only ever grows by verified tokens."""
+verifier's), then a 502 (``BadGatewayError``). The engine's context therefore only ever grows
+by verified tokens."""
 
 from __future__ import annotations
 
