@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from spade_core.block_yield import expected_tokens
+
 DEFAULT_RELATIVE_SLOPE = 0.1
 """Before two draft lengths have been timed, each drafted token is assumed to add this fraction
 of a one-token verify (what a CPU target showed before its kernels packed their weights; it now
@@ -41,13 +43,6 @@ adds less, as a GPU target does: docs/benchmarks.md, "Component measurements"; t
 replaces it)."""
 MAX_POINT_WEIGHT = 20
 """A draft length's weight in the line fit stops growing after this many observations."""
-
-
-def expected_tokens(acceptance_rate: float, num_drafted: int) -> float:
-    """Tokens one block of ``num_drafted`` yields on average: accepted drafts + the next token."""
-    if acceptance_rate >= 1.0:
-        return num_drafted + 1.0
-    return (1.0 - acceptance_rate ** (num_drafted + 1)) / (1.0 - acceptance_rate)
 
 
 def overlap_hit_probability(acceptance_rate: float, num_drafted: int) -> float:

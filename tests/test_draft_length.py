@@ -13,12 +13,12 @@ from edge_agent.draft_length import (
     FixedDraftLength,
     VerifyTimeCurve,
     draft_length_policy,
-    expected_tokens,
     exposed_draft_s,
     parse_draft_length,
     tokens_per_s,
 )
 from edge_agent.settings import EdgeSettings
+from spade_core.block_yield import expected_tokens
 
 # The speed model --------------------------------------------------------------------------------
 

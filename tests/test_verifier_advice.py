@@ -5,18 +5,27 @@ verified exactly."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from verifier_service.backends.transformers.advice import (
+    DEPARTURE_MARGIN,
     AcceptanceRate,
     BusyFraction,
     CostLine,
     ForwardCurve,
+    ForwardLoad,
     Saturation,
+    TimeAway,
     advised_lengths,
+    departure_length,
+    departure_pays,
+    forwards_missed,
     newcomer_length,
+    plan_load,
+    row_price,
 )
 from verifier_support import (
     MAX_DRAFT,
@@ -34,7 +43,7 @@ from verifier_support import (
 
 
 def expected_tokens(alpha: float, num_drafted: int) -> float:
-    """E(d) of advice.py's glossary: tokens a block of d commits on average."""
+    """E(d) of advice.py's glossary, summed term by term: tokens a block of d commits on average."""
     return sum(alpha**k for k in range(num_drafted + 1))
 
 
@@ -155,6 +164,125 @@ def test_the_advice_keeps_blocks_long_below_the_knee_and_short_past_it():
     eight = advised_lengths({session: 0.7 for session in range(8)}, measured, 0, 64)
     assert min(two.values()) >= 3  # 2 sessions x 4 rows: below the knee
     assert max(eight.values()) <= 1  # 8 sessions: already past it
+
+
+# --- a continued session going back to drafting ----------------------------------------------------
+
+
+def test_a_session_away_misses_at_least_the_forward_that_starts_when_it_is_answered():
+    assert forwards_missed(0.0, 0.3) == 1
+    assert forwards_missed(0.03, 0.3) == 1  # a CPU: a round trip is a tenth of a forward
+    assert forwards_missed(0.07, 0.015) == 5  # a GPU: a forward is shorter than the round trip
+    assert forwards_missed(0.07, 0.0) == 1
+
+
+def test_the_load_is_the_moving_mean_of_the_forwards_rows_and_tokens():
+    load = ForwardLoad(decay=0.5)
+    assert load.rows is None
+    load.observe(4, 6)
+    assert (load.rows, load.tokens) == (4.0, 6.0)
+    load.observe(8, 2)
+    assert (load.rows, load.tokens) == (6.0, 4.0)
+
+
+def test_a_rows_price_is_what_the_forwards_sessions_commit_in_the_time_it_adds():
+    # t(R) = 0.25 + 0.02 R: a ninth row adds 0.02 s to a 0.41 s forward that commits 8 tokens.
+    assert row_price(CostLine(0.25, 0.02), 8, 8.0) == pytest.approx(8 * 0.02 / 0.41)
+    assert row_price(CostLine(0.25, 0.0), 8, 8.0) == 0.0  # below a knee: rows are free
+    assert row_price(CostLine(0.0, 0.0), 8, 8.0) == 0.0
+
+
+def test_a_plans_load_is_its_rows_and_expected_tokens():
+    rows, tokens = plan_load({"a": 0.5, "b": 0.8}, {"a": 2, "b": 0}, 3, 1.0)
+    assert rows == 3 + 3 + 1
+    assert tokens == pytest.approx(1.0 + expected_tokens(0.5, 2) + 1.0)
+
+
+def test_where_forwards_are_full_going_back_to_drafting_must_pay_for_the_forwards_missed():
+    # The docstring's example: past this CPU's knee, alpha 0.93, one forward missed.
+    assert not departure_pays(0.93, 1, 1, 0.7)
+    assert departure_pays(0.93, 3, 1, 0.7)
+    assert not departure_pays(0.93, 0, 1, 0.0)  # no block: nothing to go back for
+    # Rows free: E(d) tokens against the missed + 1 continued ones.
+    assert departure_pays(0.7, 3, 1, 0.0)  # 2.53 > 2
+    assert not departure_pays(0.7, 3, 2, 0.0)  # 2.53 < 3
+    assert not departure_pays(0.7, 64, 3, 0.0)  # never more than 1 / (1 - 0.7) = 3.3 < 4
+
+
+def test_the_time_away_is_a_line_in_the_block_drafted():
+    away = TimeAway()
+    assert away.seconds(4) == 0.0  # nothing seen
+    for _ in range(3):
+        away.observe(0, 0.04)
+    assert away.per_token_s == 0.0 and away.base_s == pytest.approx(0.04)  # one length: no slope yet
+    for num_drafted, gap_s in ((2, 0.104), (0, 0.04), (1, 0.072), (3, 0.136)):
+        away.observe(num_drafted, gap_s)
+    assert away.per_token_s == pytest.approx(0.032) and away.base_s == pytest.approx(0.04)
+    assert away.seconds(5) == pytest.approx(0.2)
+    ahead = TimeAway()
+    for num_drafted, gap_s in ((0, 0.05), (4, 0.03), (1, 0.045), (5, 0.025)):  # drafted ahead: longer blocks came sooner
+        ahead.observe(num_drafted, gap_s)
+    assert ahead.per_token_s == 0.0 and ahead.base_s > 0.0
+
+
+RUN_J_CPU = ForwardCurve(points={1: 0.231, 2: 0.247, 3: 0.253, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484})
+"""The 1.5B target's forward on the AVX-512 CPU (docs/benchmarks.md, Run J), 27 ms a row past 8 rows."""
+
+
+def edges_away(base_s: float, per_token_s: float) -> TimeAway:
+    away = TimeAway()
+    for num_drafted in (0, 1, 2, 3):
+        away.observe(num_drafted, base_s + per_token_s * num_drafted)
+    return away
+
+
+def test_a_continued_session_goes_back_for_the_block_that_pays_for_the_forwards_it_misses():
+    cpu_edges = edges_away(0.035, 0.034)
+    # The docstring's examples: below the knee a long block pays for the forward missed ...
+    assert departure_length(0.75, cpu_edges, RUN_J_CPU, ForwardLoad(rows=3, tokens=3), 64) == 5
+    # ... at it, not even for a session whose drafts the target nearly always keeps.
+    assert departure_length(0.75, cpu_edges, RUN_J_CPU, ForwardLoad(rows=7, tokens=7), 64) == 0
+    assert departure_length(0.93, cpu_edges, RUN_J_CPU, ForwardLoad(rows=7, tokens=7), 64) == 0
+    # Rows free (a GPU's 15 ms forward): a block commits at most 1 / (1 - alpha) = 3.3 tokens
+    # at alpha 0.7, against the missed + 1 continued ones; edges away 20 ms + 1 ms a token miss
+    # two forwards, edges away 5 ms one.
+    flat = CostLine(0.015, 0.0)
+    assert departure_length(0.7, edges_away(0.005, 0.0005), flat, ForwardLoad(rows=8, tokens=8), 64) >= 3
+    assert departure_length(0.7, edges_away(0.02, 0.001), flat, ForwardLoad(rows=8, tokens=8), 64) == 0
+    assert departure_length(0.7, cpu_edges, flat, ForwardLoad(), 64) == 0  # no forward seen yet
+    assert departure_length(0.9, cpu_edges, RUN_J_CPU, ForwardLoad(rows=3, tokens=3), 2) <= 2  # the verifier's limit
+
+
+def test_the_departure_is_the_fastest_plan_on_explicit_timelines():
+    # Random lines and knees and times away: over the m + 1 forwards a departure spans, staying
+    # adds a row and a token to each; leaving, the session is absent from m of them and feeds
+    # its block to the last. The rule's length commits the most per second of all lengths, and
+    # beats staying by the margin (0: none does).
+    rng = random.Random(7)
+    for _ in range(2000):
+        if rng.random() < 0.5:
+            cost = CostLine(rng.uniform(0.01, 0.5), rng.uniform(0.0, 0.03))
+        else:
+            fixed_s, knee = rng.uniform(0.01, 0.5), rng.randint(2, 16)
+            cost = ForwardCurve(points={1: fixed_s, knee: fixed_s * 1.1, 4 * knee: fixed_s * 1.1 + rng.uniform(0.005, 0.05) * 3 * knee})
+        rows = rng.randint(1, 16)
+        load = ForwardLoad(rows=rows, tokens=rows * rng.uniform(1.0, 2.0))
+        away = edges_away(rng.uniform(0.0, 0.1), rng.uniform(0.0, 0.05))
+        alpha = rng.uniform(0.3, 0.98)
+        staying = load.tokens / cost.seconds(rows)
+
+        def leaving(length: int, cost=cost, rows=rows, load=load, alpha=alpha, away=away) -> float:
+            missed = max(1, math.ceil((away.base_s + away.per_token_s * length) / cost.seconds(rows)))
+            others_s = missed * cost.seconds(rows - 1) if rows > 1 else 0.0
+            committed = (missed + 1) * (load.tokens - 1) + expected_tokens(alpha, length)
+            return committed / (others_s + cost.seconds(rows + length))
+
+        best = max(range(1, 33), key=leaving)
+        chosen = departure_length(alpha, away, cost, load, 32)
+        if chosen == 0:
+            assert leaving(best) <= (1 + DEPARTURE_MARGIN) * staying * (1 + 1e-9)
+        else:
+            assert leaving(chosen) > (1 + DEPARTURE_MARGIN) * staying and leaving(chosen) >= leaving(best) * (1 - 1e-9)
 
 
 def test_acceptance_counts_the_rejected_draft_and_forgets_slowly():

@@ -623,6 +623,67 @@ def test_one_session_alone_is_advised_the_limit_even_while_the_target_never_idle
     assert all(advice is not None and advice < 16 for advice in _advice_after_busy_blocks(2))
 
 
+def _advice_after_continuing(last_call: str, max_batch_sessions: int = 4) -> dict[str, int | None]:
+    """Against ``KneeRunner`` (below its knee here: a drafted row is cheap), the target never
+    idle: edges e1 and e2 send blocks of 1 drafted token back to back, all kept; session c sends
+    four such blocks, is then continued (steps back to back), and its last call is ``last_call``:
+    "continued" (one more continued step), "empty" (its edge's call without a block) or "block"
+    (its edge's block of 1). The verifier's limit is 1, so the advice is 0 or 1. Returns each
+    session's advice at the end. ``max_batch_sessions`` below 3: the forwards are full."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    prompt = list(range(20))
+
+    async def edge(scheduler, session_id: str, num_blocks: int) -> list[int]:
+        await scheduler.submit(BlockToVerify(session_id, prompt, [], None, GREEDY), time.perf_counter())
+        context = prompt + [1]
+        for _ in range(num_blocks):
+            await scheduler.submit(BlockToVerify(session_id, context, [7], None, GREEDY), time.perf_counter())
+            context = context + [7, 0]
+        return context
+
+    async def continued_session(scheduler) -> None:
+        context = await edge(scheduler, "c", 4)
+        for _ in range(6):
+            await scheduler.submit(BlockToVerify("c", context, [], None, GREEDY, continued_step=True), time.perf_counter())
+            context = context + [0]
+        last = {
+            "continued": BlockToVerify("c", context, [], None, GREEDY, continued_step=True),
+            "empty": BlockToVerify("c", context, [], None, GREEDY),
+            "block": BlockToVerify("c", context, [7], None, GREEDY),
+        }[last_call]
+        await scheduler.submit(last, time.perf_counter())
+
+    async def run() -> dict[str, int | None]:
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            limits = SchedulerLimits(max_batch_sessions=max_batch_sessions, max_draft_length=1)
+            scheduler = Scheduler(KneeRunner(), executor, limits)
+            await asyncio.gather(continued_session(scheduler), edge(scheduler, "e1", 14), edge(scheduler, "e2", 14))
+            advice = {session_id: scheduler.advice_for(session_id) for session_id in ("c", "e1", "e2")}
+            await scheduler.aclose()
+        return advice
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("max_batch_sessions", [4, 2])
+@pytest.mark.parametrize(("last_call", "advice_of_c"), [("continued", 0), ("empty", 0), ("block", 1)])
+def test_a_continued_session_goes_back_to_drafting_only_where_that_pays_for_the_forward_it_misses(
+    last_call, advice_of_c, max_batch_sessions
+):
+    # Every session keeps nearly every drafted token and a drafted row is cheap, so the row plan
+    # gives each a block of 1 (the limit), and the edges get it. But a continued session that
+    # left to draft that block would miss the forward that starts when it is answered: 1 + alpha
+    # tokens in two forwards against 2 continued ones (``advice.departure_pays``), so it stays
+    # continued, also through its edge's call without a block (its allowance ran out). Once its
+    # edge sends a block again, it is an edge like the others. The same where the forwards are
+    # full (two sessions a forward: ``advice.departure_pays`` on the row plan).
+    advice = _advice_after_continuing(last_call, max_batch_sessions)
+    assert advice == {"c": advice_of_c, "e1": 1, "e2": 1}
+
+
 def test_a_continued_sessions_next_step_joins_the_next_forward():
     # Session "a" is continued by its service: its next step comes the moment it is answered,
     # with no round trip. Edge "b" calls again 30 ms after each answer, during the next forward
@@ -666,6 +727,63 @@ def test_a_continued_sessions_next_step_joins_the_next_forward():
     assert sum(len(sessions) for sessions in forwards) == 17
     last_of_a = max(index for index, sessions in enumerate(forwards) if "a" in sessions)
     assert all("a" in sessions for sessions in forwards[: last_of_a + 1]), forwards
+
+
+def _forwards_beside_continued_sessions(edge_gap_s: float) -> list[set[str]]:
+    """Sessions a1-a3 are continued (their steps back to back, no round trip); edge b calls
+    again ``edge_gap_s`` after each answer with a block of 1; forwards of 150 ms whatever their
+    rows (the target saturated). Returns the sessions of each forward while b runs, past the
+    first four (while the curve and the gaps are learnt)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    async def continued(scheduler, session_id: str, done: asyncio.Event) -> None:
+        await scheduler.submit(BlockToVerify(session_id, [1, 2], [3], None, GREEDY), time.perf_counter())
+        context = [1, 2, 3, 0]
+        while not done.is_set():
+            await scheduler.submit(BlockToVerify(session_id, context, [], None, GREEDY, continued_step=True), time.perf_counter())
+            context = context + [0]
+
+    async def edge(scheduler, done: asyncio.Event) -> None:
+        for _ in range(12):
+            await scheduler.submit(BlockToVerify("b", [5, 6], [7], None, GREEDY), time.perf_counter())
+            await asyncio.sleep(edge_gap_s)
+        done.set()
+
+    class NamingRunner(SlowRunner):
+        def __init__(self, forward_s: float) -> None:
+            super().__init__(forward_s)
+            self.forwards: list[set[str]] = []
+
+        def run(self, shares):
+            self.forwards.append({share.block.session_id for share in shares})
+            return super().run(shares)
+
+    async def run() -> list[set[str]]:
+        runner = NamingRunner(0.15)
+        done = asyncio.Event()
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(runner, executor, SchedulerLimits(max_batch_sessions=4))
+            await asyncio.gather(*(continued(scheduler, f"a{k}", done) for k in (1, 2, 3)), edge(scheduler, done))
+            await scheduler.aclose()
+        return runner.forwards
+
+    forwards = asyncio.run(run())
+    last_of_b = max(index for index, sessions in enumerate(forwards) if "b" in sessions)
+    return forwards[4 : last_of_b + 1]
+
+
+def test_beside_continued_sessions_a_forward_waits_for_an_edge_only_while_that_commits_more_per_second():
+    # Holding w for b commits the three steps and b's block (~4.9 tokens) in w + 0.15 s; not
+    # holding runs the steps, then the steps and b's block: ~7.9 tokens in 0.3 s. So hold while
+    # w < ~0.036 s (``hold.hold_is_worth`` with ``returning``); the rule that ignores that the
+    # continued sessions come back at once held up to 0.15 s, and the target idled 50 ms of
+    # every 200.
+    near = _forwards_beside_continued_sessions(0.01)
+    assert sum("b" in sessions for sessions in near) >= 0.8 * len(near), near
+    far = _forwards_beside_continued_sessions(0.05)
+    assert sum("b" not in sessions for sessions in far) >= 0.35 * len(far), far
 
 
 def test_the_fraction_rule_at_zero_never_holds():

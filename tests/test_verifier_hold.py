@@ -82,11 +82,63 @@ def test_the_scale_stretches_or_turns_off_the_hold():
 def test_the_latest_session_worth_waiting_for_brings_the_sooner_ones_along():
     queued = Sessions(1, 3)
     assert latest_worth_holding([], AVX2_CPU, queued, saturated=True) is None
-    assert latest_worth_holding([(0.9, 3), (0.2, 3), (0.05, 3)], AVX2_CPU, queued, saturated=True) == 0.2
+    assert latest_worth_holding([(0.9, 3, 1.0), (0.2, 3, 1.0), (0.05, 3, 1.0)], AVX2_CPU, queued, saturated=True) == 0.2
     # Not saturated, waiting 0.15 s is not worth it for one session of 2 rows
     # ((0.37 - 0.056 * 2) / 2 = 0.129 s), but is for two of a row each ((0.74 - 0.056 * 2) / 3 = 0.209 s).
-    assert latest_worth_holding([(0.15, 2)], AVX2_CPU, Sessions(1, 2), saturated=False) is None
-    assert latest_worth_holding([(0.14, 1), (0.15, 1)], AVX2_CPU, Sessions(1, 2), saturated=False) == 0.15
+    assert latest_worth_holding([(0.15, 2, 1.0)], AVX2_CPU, Sessions(1, 2), saturated=False) is None
+    assert latest_worth_holding([(0.14, 1, 1.0), (0.15, 1, 1.0)], AVX2_CPU, Sessions(1, 2), saturated=False) == 0.15
+
+
+# --- queued sessions that return at once (continued steps) ----------------------------------------
+
+AVX512_CPU = ForwardCurve(points={1: 0.231, 2: 0.247, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484})
+"""The 1.5B target's measured forward on this machine (docs/benchmarks.md, Run J): knee at 8 rows."""
+
+
+def committed_per_second(hold: bool, wait_s: float, cost, queued: Sessions, due: Sessions, returning: Sessions) -> float:
+    """The two plans as timelines, saturated: hold waits, then one forward for all; now runs the
+    queued, during which the due arrive, then a forward of the due and the queued that came back
+    at once (the others are away on their round trips). Tokens committed over each plan's span."""
+    if hold:
+        return (queued.tokens + due.tokens) / (wait_s + cost.seconds(queued.rows + due.rows))
+    span_s = cost.seconds(queued.rows) + cost.seconds(returning.rows + due.rows)
+    return (queued.tokens + returning.tokens + due.tokens) / span_s
+
+
+def test_saturated_with_sessions_returning_at_once_the_rule_holds_exactly_when_that_commits_more_per_second():
+    rng = random.Random(11)
+    for _ in range(4000):
+        cost = CostLine(rng.uniform(0.001, 0.5), rng.uniform(0.0, 0.1)) if rng.random() < 0.5 else random_knee(rng)
+        count = rng.randint(1, 8)
+        queued = Sessions(count, count * rng.randint(1, 9), count * rng.uniform(1.0, 4.0))
+        back = rng.randint(0, count)
+        returning = Sessions(back, back)
+        due_count = rng.randint(1, 8)
+        due = Sessions(due_count, due_count * rng.randint(1, 9), due_count * rng.uniform(1.0, 4.0))
+        wait_s = rng.uniform(0.0, cost.seconds(queued.rows))
+        held = committed_per_second(True, wait_s, cost, queued, due, returning)
+        started = committed_per_second(False, wait_s, cost, queued, due, returning)
+        if abs(held - started) > 1e-9 * started:
+            assert hold_is_worth(wait_s, cost, queued, due, True, returning=returning) == (held > started)
+
+
+def test_nothing_returning_the_rate_rule_is_the_fixed_part_rule():
+    rng = random.Random(12)
+    for _ in range(500):
+        cost = random_knee(rng)
+        queued, due = Sessions(rng.randint(1, 8), rng.randint(1, 40)), Sessions(rng.randint(1, 8), rng.randint(1, 40))
+        saving_s = cost.seconds(queued.rows) + cost.seconds(due.rows) - cost.seconds(queued.rows + due.rows)
+        for wait_s in (0.0, 0.9 * max(saving_s, 0.0), 1.1 * max(saving_s, 0.0) + 1e-6):
+            assert hold_is_worth(wait_s, cost, queued, due, True) == (wait_s < saving_s)
+
+
+def test_six_continued_sessions_wait_only_briefly_for_an_edge_past_the_knee():
+    # docs/benchmarks.md Run M+1: forwards at N = 8 waited 60-80 ms for edges under the rule
+    # that ignores the continued sessions, which would allow t(6) + t(2) - t(8) = 238 ms.
+    queued, returning, edge = Sessions(6, 6, 6.0), Sessions(6, 6), Sessions(1, 2, 1.9)
+    assert hold_is_worth(0.2, AVX512_CPU, queued, edge, True)
+    assert hold_is_worth(0.025, AVX512_CPU, queued, edge, True, returning=returning)
+    assert not hold_is_worth(0.06, AVX512_CPU, queued, edge, True, returning=returning)
 
 
 # --- when a session's next call is expected (``scheduler.expected_arrival``) -----------------------------

@@ -24,6 +24,20 @@ are nearly free and the blocks stay long.
 Worked example: t(R) = 0.25 + 0.02 R s, two sessions of alpha 0.8 and 0.5: rows go to the first
 session while 0.8^k beats the rate's break-even, so it gets d = 6 and the second d = 1.
 
+A session the verifier continues (advice 0, its edge lets the verifier decode on: one row and one
+token a forward, no round trip) is advised the block worth going back to its edge for
+(``departure_length``), 0 where none is. The row plan assumes every session feeds every
+forward, but a session that leaves to draft misses the forward that starts when it is answered
+(the continued sessions keep the target busy), and more while its edge drafts and the round trip
+lasts (``TimeAway``); and the forwards it left are those measured (``ForwardLoad``), not the
+plan's. Where more sessions are active than a forward takes, a departing session's place goes
+to a waiting one and the plan's frame holds: it leaves for its planned block only where that
+pays for the forwards missed at the plan's row price (``departure_pays``). Without
+this, past the knee the advice rose from 0 to 1-2 and back with every forward's noise, half the
+tokens went through edges' round trips and the forwards waited for them (N = 8: 0.85x
+target-only, the target idle 14 % of the time); and below it, a session continued once stayed
+so in forwards of 3 rows where a block of 5 would have paid.
+
 Everything here is pure arithmetic on plain numbers: the scheduler feeds it measurements.
 """
 
@@ -33,6 +47,8 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
+
+from spade_core.block_yield import expected_tokens
 
 K = TypeVar("K")
 
@@ -56,6 +72,13 @@ was: under load each forward is followed by a gap of HTTP and answering (idle fo
 which puts the fraction near SATURATION, and without this band the advice flickered between the
 saturated lengths and the verifier's limit (measured at N = 16: 91 of 244 calls advised 64, and
 edges sent blocks of 16 into a saturated verifier)."""
+GAP_LINE_DECAY = 0.95
+"""Per observed gap, the weight of the earlier ones in ``TimeAway``'s line."""
+DEPARTURE_MARGIN = 0.05
+"""How much more per second a continued session's departure must commit than its staying
+(``departure_length``): what the timeline leaves out, the call's handling on the core the
+forwards run on, a hold it may cause, the measured curve's noise at the knee. Without it, at
+N = 8 on this CPU departures the timeline put 0.5-1 % ahead cost 10 % of the aggregate."""
 BUSY_WINDOW_S = 4.0
 """The recent past the busy fraction is measured over (an exponential window of this scale)."""
 
@@ -240,3 +263,129 @@ def advised_lengths(alphas: dict[K, float], cost: ForwardTime, other_rows: int, 
         rows += 1
         tokens += gain
     return lengths
+
+
+def forwards_missed(away_s: float, forward_s: float) -> int:
+    """Forwards that pass while a session that left to draft is away ``away_s``, forwards of
+    ``forward_s`` following each other: at least the one that starts when it is answered."""
+    return 1 if forward_s <= 0 else max(1, math.ceil(away_s / forward_s))
+
+
+@dataclass
+class TimeAway:
+    """How long an edge is away between an answer and its next call, as a line in the block it
+    drafts: base_s + per_token_s d (the round trip and the call's handling, then the drafting),
+    fitted by exponentially weighted least squares over the calls of all sessions. Until blocks
+    of two lengths have been seen, the drafting is unknown (0 a token) and base_s the mean gap.
+
+    Example: gaps of 0.035 s after empty calls and 0.105 s before blocks of 2 -> base 0.035 s,
+    0.035 s a drafted token."""
+
+    decay: float = GAP_LINE_DECAY
+    weight: float = 0.0
+    sum_blocks: float = 0.0
+    sum_gaps: float = 0.0
+    sum_blocks_squared: float = 0.0
+    sum_blocks_gaps: float = 0.0
+
+    def observe(self, num_drafted: int, gap_s: float) -> None:
+        self.weight = self.decay * self.weight + 1.0
+        self.sum_blocks = self.decay * self.sum_blocks + num_drafted
+        self.sum_gaps = self.decay * self.sum_gaps + gap_s
+        self.sum_blocks_squared = self.decay * self.sum_blocks_squared + num_drafted * num_drafted
+        self.sum_blocks_gaps = self.decay * self.sum_blocks_gaps + num_drafted * gap_s
+
+    @property
+    def per_token_s(self) -> float:
+        if self.weight <= 0:
+            return 0.0
+        mean_block = self.sum_blocks / self.weight
+        variance = self.sum_blocks_squared / self.weight - mean_block * mean_block
+        if variance < 1e-6:
+            return 0.0
+        covariance = self.sum_blocks_gaps / self.weight - mean_block * self.sum_gaps / self.weight
+        return max(0.0, covariance / variance)
+
+    @property
+    def base_s(self) -> float:
+        if self.weight <= 0:
+            return 0.0
+        return max(0.0, (self.sum_gaps - self.per_token_s * self.sum_blocks) / self.weight)
+
+    def seconds(self, num_drafted: int) -> float:
+        return self.base_s + self.per_token_s * num_drafted
+
+
+def row_price(cost: ForwardTime, num_rows: int, num_tokens: float) -> float:
+    """What one more row costs a forward of ``num_rows`` rows that commits ``num_tokens`` tokens,
+    in tokens: those the forward's sessions would commit in the time the row adds,
+    num_tokens (t(R + 1) - t(R)) / t(R). ``advised_lengths`` gives a session another drafted row
+    while the chance it is kept beats this."""
+    forward_s = cost.seconds(num_rows)
+    return 0.0 if forward_s <= 0 else num_tokens * (cost.seconds(num_rows + 1) - forward_s) / forward_s
+
+
+def plan_load(alphas: dict[K, float], lengths: dict[K, int], other_rows: int, other_tokens: float) -> tuple[int, float]:
+    """A plan's forward: its rows (each session's block + 1, and ``other_rows``) and the tokens
+    it commits on average (each session's E(d), and ``other_tokens``)."""
+    rows = other_rows + sum(length + 1 for length in lengths.values())
+    tokens = other_tokens + sum(expected_tokens(alphas[session], length) for session, length in lengths.items())
+    return rows, tokens
+
+
+def departure_pays(alpha: float, length: int, missed: int, price: float) -> bool:
+    """Whether a continued session should go back to its edge for the planned block of
+    ``length`` where every forward is full (more sessions than a forward takes, so the row plan's
+    frame holds): that commits E(length) tokens with length + 1 rows after ``missed`` forwards
+    without it, where staying commits missed + 1 tokens with as many rows; each row priced at
+    ``price`` tokens (``row_price``). Example, past this CPU's knee (price 0.7), alpha 0.93, one
+    forward missed: a block of 1 gives 1.93 - 1.4 = 0.53 against 2 x 0.3 = 0.6, so it stays; a
+    block of 3 (3.6 - 2.8 = 0.8) goes."""
+    if length <= 0:
+        return False
+    return expected_tokens(alpha, length) - price * (length + 1) > (missed + 1) * (1.0 - price)
+
+
+@dataclass
+class ForwardLoad:
+    """The rows and committed tokens of the recent forwards of blocks (moving means): the forward
+    a continued session is part of, as it is, not as the row plan would have it."""
+
+    decay: float = CURVE_DECAY
+    rows: float | None = None
+    tokens: float = 0.0
+
+    def observe(self, num_rows: int, num_tokens: int) -> None:
+        if self.rows is None:
+            self.rows, self.tokens = float(num_rows), float(num_tokens)
+            return
+        self.rows = self.decay * self.rows + (1 - self.decay) * num_rows
+        self.tokens = self.decay * self.tokens + (1 - self.decay) * num_tokens
+
+
+def departure_length(alpha: float, away: TimeAway, cost: ForwardTime, load: ForwardLoad, max_length: int) -> int:
+    """For a session the verifier continues, part of forwards of ``load`` (its own row and token
+    among them): the block worth going back to its edge for, or 0 (stay continued). Away for a
+    block of d, it misses m(d) forwards (``forwards_missed`` of ``away``'s time). Over the
+    m + 1 forwards its departure spans, staying commits (m + 1) T tokens in (m + 1) t(R);
+    leaving, the others commit (m + 1)(T - 1), the session E(d) with its block in the last
+    forward: in m t(R - 1) + t(R + d). The (shortest) d of the best such rate, where it beats
+    staying by ``DEPARTURE_MARGIN``.
+
+    Example, this CPU (Run J: t(2) = 0.247, t(3) = 0.253, t(6) = 0.266, t(8) = 0.274 s, 27 ms a
+    row past 8 rows), edges away 35 ms + 34 ms a drafted token: three sessions of alpha 0.75
+    continued (R = T = 3): staying commits 11.9 tokens/s, a block of 5 (away 0.2 s, one forward
+    missed) 14.0, so the session goes back with 5. Seven continued (R = T = 7): staying commits
+    25.9 tokens/s, the best block of a session of alpha 0.93 (3) 26.1, within the margin, so it
+    stays."""
+    if load.rows is None or max_length <= 0:
+        return 0
+    num_rows, tokens = max(1, round(load.rows)), max(1.0, load.tokens)
+    forward_s, without_s = cost.seconds(num_rows), cost.seconds(num_rows - 1) if num_rows > 1 else 0.0
+    best_length, best_rate = 0, (1.0 + DEPARTURE_MARGIN) * tokens / forward_s
+    for length in range(1, max_length + 1):
+        missed = forwards_missed(away.seconds(length), forward_s)
+        rate = ((missed + 1) * (tokens - 1) + expected_tokens(alpha, length)) / (missed * without_s + cost.seconds(num_rows + length))
+        if rate > best_rate:
+            best_length, best_rate = length, rate
+    return best_length

@@ -25,7 +25,8 @@ with no round trip and teach no gap; the scheduler yields to the event loop befo
 forward, so such a step, submitted the moment its session is answered, joins the next forward.
 When a forward is about to start, it waits for the sessions not yet queued that are due soon
 while ``hold.latest_worth_holding`` says the expected wait costs less than merging the forwards
-saves (``hold_rule`` "cost", scaled by ``hold_scale``), or, with ``hold_rule`` "fraction", for
+saves (``hold_rule`` "cost", scaled by ``hold_scale``; queued continued steps are ``returning``:
+their sessions come back at once), or, with ``hold_rule`` "fraction", for
 those due within ``hold_fraction`` of the forward's expected time: N edges' calls then meet in
 one forward instead of alternating. A session held for is awaited a little past its expected
 time (``hold_late_deviations`` of its gaps' spread, at most a one-row forward): an edge's gap
@@ -41,7 +42,11 @@ eight users of one system prompt arriving at once prefill it once, not eight tim
 reaches its first token after the shared prefill plus its own suffix.
 
 Advice: after each forward, every answered call's session gets ``advice.advised_lengths`` for
-its next block (the verifier's limit while the target is not saturated).
+its next block (the verifier's limit while the target is not saturated). A session its service
+continues gets the block worth leaving its forwards for, or 0: while every active session fits
+in a forward, ``advice.departure_length`` on the forwards as measured (``advice.ForwardLoad``)
+and the edges' time away (``advice.TimeAway``); where they do not (its place goes to a waiting
+session), its planned block if ``advice.departure_pays`` on the plan's row price.
 """
 
 from __future__ import annotations
@@ -53,15 +58,23 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from spade_core.block_yield import expected_tokens
 from spade_models.kv_cache import common_prefix_length
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, ForwardRecord
 from verifier_service.backends.transformers.advice import (
     AcceptanceRate,
     BusyFraction,
     ForwardCurve,
+    ForwardLoad,
     Saturation,
+    TimeAway,
     advised_lengths,
+    departure_length,
+    departure_pays,
+    forwards_missed,
     newcomer_length,
+    plan_load,
+    row_price,
 )
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
 from verifier_service.backends.transformers.prefix_store import BLOCK_TOKENS
@@ -266,6 +279,11 @@ class SessionPace:
     advice: int | None = None
     rows: int = 1
     """The rows its last answered call fed (what its next call is expected to add to a forward)."""
+    drafted: int = 0
+    """The block its last answered call carried."""
+    continued: bool = False
+    """The verifier continues the session (a continued step was answered since its edge last
+    sent a block): it is advised the block worth leaving for (``advice.departure_length``)."""
 
     def arrived(self, now: float) -> float | None:
         """The call came; returns the gap since its last answer (None for its first call)."""
@@ -300,6 +318,8 @@ class Scheduler:
         self._paces: dict[str, SessionPace] = {}
         self._typical_gap = GapEstimate(TYPICAL_GAP_DECAY)
         self._cost = ForwardCurve()
+        self._load = ForwardLoad()
+        self._away = TimeAway()
         self._busy = BusyFraction()
         self._saturation = Saturation()
         self._after_chunk = False
@@ -314,6 +334,7 @@ class Scheduler:
             gap_s = pace.arrived(queued_at)
             if gap_s is not None:
                 self._typical_gap.observe(gap_s)
+                self._away.observe(block.num_drafted, gap_s)
         self._queue.append(PendingCall(block, queued_at, future))
         self._ensure_worker()
         self._arrived.set()
@@ -375,6 +396,7 @@ class Scheduler:
             # now, in time for the next forward (else it starts without them whenever another
             # call is queued, and they miss every other forward).
             await asyncio.sleep(0)
+            gather_started = time.perf_counter()
             await self._gather()
             self._drop_abandoned()
             planned = plan_forward(self._ready(), self._need, self.limits, self._after_chunk)
@@ -385,7 +407,8 @@ class Scheduler:
             started = time.perf_counter()
             try:
                 results, record = await loop.run_in_executor(self._executor, self._runner.run, shares)
-                self._account(record, started, time.perf_counter(), feeds_blocks_only(planned, results))
+                log_forward(planned, results, record, started, started - gather_started)
+                self._account(record, started, time.perf_counter(), planned, results)
                 self._answer([call for call, _ in planned], results, record, started)
             except Exception as error:  # every caller of the forward still waiting gets the error
                 logger.warning("a forward of %d call(s) failed", len(planned), exc_info=True)
@@ -427,14 +450,20 @@ class Scheduler:
             pace = self._pace(call.block.session_id) if call.keep_cache else SessionPace()
             pace.acceptance.observe(call.block.num_drafted, result.acceptance.num_accepted)
             pace.drafts = pace.drafts or call.block.num_drafted > 0
+            pace.drafted = call.block.num_drafted
+            if call.block.continued_step or call.block.num_drafted > 0:
+                pace.continued = call.block.continued_step
             pace.answered_at = time.perf_counter()
             pace.rows = min(result.num_rows, self.limits.max_block_rows)
             settle(call.future, verdict=verdict_of(call, result, record, started))
         self._advise(answered)
 
-    def _account(self, record: ForwardRecord, started: float, ended: float, blocks_only: bool) -> None:
-        if blocks_only:  # the cost curve of the forwards the advice and the hold rule plan
+    def _account(
+        self, record: ForwardRecord, started: float, ended: float, planned: list[tuple[PendingCall, int]], results: list[ShareResult]
+    ) -> None:
+        if feeds_blocks_only(planned, results):  # the cost and load of the forwards the advice and the hold rule plan
             self._cost.observe(record.num_rows, record.model_s)
+            self._load.observe(record.num_rows, sum(result.acceptance.num_accepted + 1 for result in results if result.acceptance))
         self._busy.observe(started, ended)
         self._saturation.observe(self._busy.fraction)
         if self.observe_forward is not None:
@@ -456,6 +485,8 @@ class Scheduler:
         # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
         other_rows = min(prefill_rows, self.limits.max_forward_rows) + sum(not pace.drafts for pace in active)
         lengths = advised_lengths(alphas, self._cost, other_rows, self.limits.max_draft_length)
+        plan_rows, plan_tokens = plan_load(alphas, lengths, other_rows, sum(not pace.drafts for pace in active))
+        forwards_full = len(active) > self.limits.max_batch_sessions
         # Sessions that never drafted share their prior acceptance: one plan per forward, however
         # many target-only steps it answered.
         newcomer_lengths: dict[float, int] = {}
@@ -463,14 +494,28 @@ class Scheduler:
             pace = self._paces.get(session_id)
             if pace is None:
                 continue
+            alpha = pace.acceptance.alpha
             if pace.drafts:
                 pace.advice = lengths.get(id(pace), self.limits.max_draft_length)
-                continue
-            # Not drafted yet (a prompt-only call; a target-only step, which ignores it).
-            alpha = pace.acceptance.alpha
-            if alpha not in newcomer_lengths:
-                newcomer_lengths[alpha] = newcomer_length(alphas, alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
-            pace.advice = newcomer_lengths[alpha]
+            else:  # not drafted yet (a prompt-only call; a target-only step, which ignores it)
+                if alpha not in newcomer_lengths:
+                    newcomer_lengths[alpha] = newcomer_length(alphas, alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
+                pace.advice = newcomer_lengths[alpha]
+            if pace.continued and forwards_full:  # leaving frees a place another session takes: the plan's frame
+                missed = forwards_missed(self._away.seconds(pace.advice), self._cost.seconds(plan_rows))
+                if not departure_pays(alpha, pace.advice, missed, row_price(self._cost, plan_rows, plan_tokens)):
+                    pace.advice = 0
+            elif pace.continued:  # part of every forward: it leaves only for a block that pays for the time away
+                pace.advice = departure_length(alpha, self._away, self._cost, self._load, self.limits.max_draft_length)
+
+    def _expected_tokens(self, call: PendingCall) -> float:
+        """What answering ``call`` commits on average: E(d) of its block; nothing for a prompt's
+        chunk that does not finish it (counted as nothing whenever its need exceeds a block)."""
+        if self._need(call) > self.limits.max_block_rows:
+            return 0.0
+        pace = self._paces.get(call.block.session_id)
+        alpha = pace.acceptance.alpha if pace is not None else 0.0
+        return expected_tokens(alpha, call.block.num_drafted)
 
     def _active_sessions(self) -> list[str]:
         now = time.perf_counter()
@@ -506,20 +551,37 @@ class Scheduler:
         now = time.perf_counter()
         late_deviations, max_late_s = self.limits.hold_late_deviations, cost.seconds(1)
         arrivals = [
-            (arrival, pace.rows)
+            (arrival, pace)
             for session_id, pace in self._paces.items()
             if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, max_late_s)) is not None
         ]
-        due = [(arrival.expected_s, session_rows) for arrival, session_rows in arrivals]
+        due = [(arrival.expected_s, pace.rows, expected_tokens(pace.acceptance.alpha, pace.drafted)) for arrival, pace in arrivals]
         if self.limits.hold_rule == "fraction":
             window = self.limits.hold_fraction * cost.seconds(rows)
-            wait_s = max((wait for wait, _ in due if wait <= window), default=None)
+            wait_s = max((wait for wait, _, _ in due if wait <= window), default=None)
         else:
             saturated = self._saturation.is_saturated
-            wait_s = latest_worth_holding(due, cost, Sessions(len(queued), rows), saturated, self.limits.hold_scale)
+            tokens = sum(self._expected_tokens(call) for call in self._queue)
+            returning = sum(call.block.continued_step for call in self._queue)  # their next step comes at once: one row
+            wait_s = latest_worth_holding(
+                due, cost, Sessions(len(queued), rows, tokens), saturated, self.limits.hold_scale, Sessions(returning, returning)
+            )
         if wait_s is None:
             return None
         return now + max(arrival.latest_s for arrival, _ in arrivals if arrival.expected_s <= wait_s)
+
+
+def log_forward(
+    planned: list[tuple[PendingCall, int]], results: list[ShareResult], record: ForwardRecord, started: float, held_s: float
+) -> None:
+    """At debug level, one line per forward: when it started, how long it waited for company,
+    its model time, and per share (session id's end, rows, whether a continued step)."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    shares = [
+        (call.block.session_id[-6:], result.num_rows, call.block.continued_step) for (call, _), result in zip(planned, results, strict=True)
+    ]
+    logger.debug("forward at %.3f: held %.1f ms, %.1f ms of model, shares %s", started, held_s * 1e3, record.model_s * 1e3, shares)
 
 
 def verdict_of(call: PendingCall, result: ShareResult, record: ForwardRecord, started: float) -> BlockVerdict:
