@@ -250,6 +250,7 @@ def test_a_continued_session_goes_back_for_the_block_that_pays_for_the_forwards_
     assert departure_length(0.7, edges_away(0.005, 0.0005), flat, ForwardLoad(rows=8, tokens=8), 64) >= 3
     assert departure_length(0.7, edges_away(0.02, 0.001), flat, ForwardLoad(rows=8, tokens=8), 64) == 0
     assert departure_length(0.7, cpu_edges, flat, ForwardLoad(), 64) == 0  # no forward seen yet
+    assert departure_length(0.7, cpu_edges, CostLine(0.0, 0.0), ForwardLoad(rows=8, tokens=8), 64) == 0  # no cost known
     assert departure_length(0.9, cpu_edges, RUN_J_CPU, ForwardLoad(rows=3, tokens=3), 2) <= 2  # the verifier's limit
 
 

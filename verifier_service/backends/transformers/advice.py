@@ -77,8 +77,9 @@ GAP_LINE_DECAY = 0.95
 DEPARTURE_MARGIN = 0.05
 """How much more per second a continued session's departure must commit than its staying
 (``departure_length``): what the timeline leaves out, the call's handling on the core the
-forwards run on, a hold it may cause, the measured curve's noise at the knee. Without it, at
-N = 8 on this CPU departures the timeline put 0.5-1 % ahead cost 10 % of the aggregate."""
+forwards run on, a hold it may cause, the measured curve's noise at the knee. Without it (and
+with one forward missed whatever the block), N = 8 on this CPU fell to 0.88x target-only:
+sessions left for gains the timeline put at 0.5-1 % (docs/benchmarks.md, Run N)."""
 BUSY_WINDOW_S = 4.0
 """The recent past the busy fraction is measured over (an exponential window of this scale)."""
 
@@ -382,6 +383,8 @@ def departure_length(alpha: float, away: TimeAway, cost: ForwardTime, load: Forw
         return 0
     num_rows, tokens = max(1, round(load.rows)), max(1.0, load.tokens)
     forward_s, without_s = cost.seconds(num_rows), cost.seconds(num_rows - 1) if num_rows > 1 else 0.0
+    if forward_s <= 0:  # a curve extrapolated to nothing: no rate to compare
+        return 0
     best_length, best_rate = 0, (1.0 + DEPARTURE_MARGIN) * tokens / forward_s
     for length in range(1, max_length + 1):
         missed = forwards_missed(away.seconds(length), forward_s)

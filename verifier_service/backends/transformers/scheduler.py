@@ -472,7 +472,8 @@ class Scheduler:
     def _advise(self, answered: list[str]) -> None:
         """Each answered session's next block length, from all active sessions' acceptance; the
         verifier's limit while it is not saturated or serves one session alone (whose rows
-        delay nobody else: its edge's own policy chooses its speed)."""
+        delay nobody else: its edge's own policy chooses its speed); for a continued session,
+        the block worth leaving its forwards for, or 0 (module docstring)."""
         planning = self._cost.is_known and self._saturation.is_saturated  # else no session list is needed
         active = [self._paces[session_id] for session_id in self._active_sessions()] if planning else []
         if len(active) < 2:
