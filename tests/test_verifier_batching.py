@@ -676,10 +676,11 @@ def test_a_continued_session_goes_back_to_drafting_only_where_that_pays_for_the_
     # Every session keeps nearly every drafted token and a drafted row is cheap, so the row plan
     # gives each a block of 1 (the limit), and the edges get it. But a continued session that
     # left to draft that block would miss the forward that starts when it is answered: 1 + alpha
-    # tokens in two forwards against 2 continued ones (``advice.departure_pays``), so it stays
-    # continued, also through its edge's call without a block (its allowance ran out). Once its
-    # edge sends a block again, it is an edge like the others. The same where the forwards are
-    # full (two sessions a forward: ``advice.departure_pays`` on the row plan).
+    # tokens in two forwards against 2 continued ones (``advice.departure_length`` on the
+    # forwards as measured), so it stays continued, also through its edge's call without a block
+    # (its allowance ran out). Once its edge sends a block again, it is an edge like the others.
+    # The same where the forwards are full (two sessions a forward: ``advice.departure_pays`` on
+    # the row plan).
     advice = _advice_after_continuing(last_call, max_batch_sessions)
     assert advice == {"c": advice_of_c, "e1": 1, "e2": 1}
 
