@@ -472,6 +472,18 @@ class SlowRunner:
         return results, ForwardRecord(len(shares), len(shares) * 2 + len(self.sessions_per_forward) % 3, self.forward_s)
 
 
+class NamingRunner(SlowRunner):
+    """``SlowRunner`` that also records the sessions of each forward."""
+
+    def __init__(self, forward_s: float) -> None:
+        super().__init__(forward_s)
+        self.forwards: list[set[str]] = []
+
+    def run(self, shares):
+        self.forwards.append({share.block.session_id for share in shares})
+        return super().run(shares)
+
+
 def _alternating_edges(limits: SchedulerLimits, gaps_s: tuple[float, ...] = (0.03,), num_calls: int = 8) -> list[int]:
     """Two edges, calling again ``gaps_s[i % len(gaps_s)]`` after their i-th answer (30 ms by
     default; the second edge runs through ``gaps_s`` backwards; their first calls 60 ms apart),
@@ -707,15 +719,6 @@ def test_a_continued_sessions_next_step_joins_the_next_forward():
             await scheduler.submit(BlockToVerify("b", [5, 6], [7], None, GREEDY), time.perf_counter())
             await asyncio.sleep(0.03)
 
-    class NamingRunner(SlowRunner):
-        def __init__(self, forward_s: float) -> None:
-            super().__init__(forward_s)
-            self.forwards: list[set[str]] = []
-
-        def run(self, shares):
-            self.forwards.append({share.block.session_id for share in shares})
-            return super().run(shares)
-
     async def run() -> list[set[str]]:
         runner = NamingRunner(0.05)
         with ThreadPoolExecutor(max_workers=1) as executor:
@@ -751,15 +754,6 @@ def _forwards_beside_continued_sessions(edge_gap_s: float) -> list[set[str]]:
             await scheduler.submit(BlockToVerify("b", [5, 6], [7], None, GREEDY), time.perf_counter())
             await asyncio.sleep(edge_gap_s)
         done.set()
-
-    class NamingRunner(SlowRunner):
-        def __init__(self, forward_s: float) -> None:
-            super().__init__(forward_s)
-            self.forwards: list[set[str]] = []
-
-        def run(self, shares):
-            self.forwards.append({share.block.session_id for share in shares})
-            return super().run(shares)
 
     async def run() -> list[set[str]]:
         runner = NamingRunner(0.15)

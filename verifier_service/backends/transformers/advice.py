@@ -296,25 +296,27 @@ class TimeAway:
         self.sum_blocks_squared = self.decay * self.sum_blocks_squared + num_drafted * num_drafted
         self.sum_blocks_gaps = self.decay * self.sum_blocks_gaps + num_drafted * gap_s
 
+    def line(self) -> tuple[float, float]:
+        """(base_s, per_token_s) of the fitted line; the slope is never below 0 (an edge that
+        drafted ahead sent its longer blocks sooner)."""
+        if self.weight <= 0:
+            return 0.0, 0.0
+        mean_block, mean_gap = self.sum_blocks / self.weight, self.sum_gaps / self.weight
+        variance = self.sum_blocks_squared / self.weight - mean_block * mean_block
+        per_token_s = 0.0 if variance < 1e-6 else max(0.0, (self.sum_blocks_gaps / self.weight - mean_block * mean_gap) / variance)
+        return max(0.0, mean_gap - per_token_s * mean_block), per_token_s
+
     @property
     def per_token_s(self) -> float:
-        if self.weight <= 0:
-            return 0.0
-        mean_block = self.sum_blocks / self.weight
-        variance = self.sum_blocks_squared / self.weight - mean_block * mean_block
-        if variance < 1e-6:
-            return 0.0
-        covariance = self.sum_blocks_gaps / self.weight - mean_block * self.sum_gaps / self.weight
-        return max(0.0, covariance / variance)
+        return self.line()[1]
 
     @property
     def base_s(self) -> float:
-        if self.weight <= 0:
-            return 0.0
-        return max(0.0, (self.sum_gaps - self.per_token_s * self.sum_blocks) / self.weight)
+        return self.line()[0]
 
     def seconds(self, num_drafted: int) -> float:
-        return self.base_s + self.per_token_s * num_drafted
+        base_s, per_token_s = self.line()
+        return base_s + per_token_s * num_drafted
 
 
 def row_price(cost: ForwardTime, num_rows: int, num_tokens: float) -> float:
@@ -385,9 +387,10 @@ def departure_length(alpha: float, away: TimeAway, cost: ForwardTime, load: Forw
     forward_s, without_s = cost.seconds(num_rows), cost.seconds(num_rows - 1) if num_rows > 1 else 0.0
     if forward_s <= 0:  # a curve extrapolated to nothing: no rate to compare
         return 0
+    base_s, per_token_s = away.line()
     best_length, best_rate = 0, (1.0 + DEPARTURE_MARGIN) * tokens / forward_s
     for length in range(1, max_length + 1):
-        missed = forwards_missed(away.seconds(length), forward_s)
+        missed = forwards_missed(base_s + per_token_s * length, forward_s)
         rate = ((missed + 1) * (tokens - 1) + expected_tokens(alpha, length)) / (missed * without_s + cost.seconds(num_rows + length))
         if rate > best_rate:
             best_length, best_rate = length, rate

@@ -486,8 +486,10 @@ class Scheduler:
         # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
         other_rows = min(prefill_rows, self.limits.max_forward_rows) + sum(not pace.drafts for pace in active)
         lengths = advised_lengths(alphas, self._cost, other_rows, self.limits.max_draft_length)
-        plan_rows, plan_tokens = plan_load(alphas, lengths, other_rows, sum(not pace.drafts for pace in active))
         forwards_full = len(active) > self.limits.max_batch_sessions
+        if forwards_full:  # the plan's forward, for continued sessions' departures
+            plan_rows, plan_tokens = plan_load(alphas, lengths, other_rows, sum(not pace.drafts for pace in active))
+            plan_price = row_price(self._cost, plan_rows, plan_tokens)
         # Sessions that never drafted share their prior acceptance: one plan per forward, however
         # many target-only steps it answered.
         newcomer_lengths: dict[float, int] = {}
@@ -504,15 +506,16 @@ class Scheduler:
                 pace.advice = newcomer_lengths[alpha]
             if pace.continued and forwards_full:  # leaving frees a place another session takes: the plan's frame
                 missed = forwards_missed(self._away.seconds(pace.advice), self._cost.seconds(plan_rows))
-                if not departure_pays(alpha, pace.advice, missed, row_price(self._cost, plan_rows, plan_tokens)):
+                if not departure_pays(alpha, pace.advice, missed, plan_price):
                     pace.advice = 0
             elif pace.continued:  # part of every forward: it leaves only for a block that pays for the time away
                 pace.advice = departure_length(alpha, self._away, self._cost, self._load, self.limits.max_draft_length)
 
-    def _expected_tokens(self, call: PendingCall) -> float:
-        """What answering ``call`` commits on average: E(d) of its block; nothing for a prompt's
-        chunk that does not finish it (counted as nothing whenever its need exceeds a block)."""
-        if self._need(call) > self.limits.max_block_rows:
+    def _expected_tokens(self, call: PendingCall, need: int) -> float:
+        """What answering ``call`` (whose ``need`` is the rows it still has to feed) commits on
+        average: E(d) of its block; nothing for a prompt's chunk that does not finish it (counted
+        as nothing whenever its need exceeds a block)."""
+        if need > self.limits.max_block_rows:
             return 0.0
         pace = self._paces.get(call.block.session_id)
         alpha = pace.acceptance.alpha if pace is not None else 0.0
@@ -548,7 +551,8 @@ class Scheduler:
         if not cost.is_known:
             return None
         queued = {call.block.session_id for call in self._queue}
-        rows = sum(min(self._need(call), self.limits.max_forward_rows) for call in self._queue)
+        needs = [(call, self._need(call)) for call in self._queue]
+        rows = sum(min(need, self.limits.max_forward_rows) for _, need in needs)
         now = time.perf_counter()
         late_deviations, max_late_s = self.limits.hold_late_deviations, cost.seconds(1)
         arrivals = [
@@ -562,7 +566,7 @@ class Scheduler:
             wait_s = max((wait for wait, _, _ in due if wait <= window), default=None)
         else:
             saturated = self._saturation.is_saturated
-            tokens = sum(self._expected_tokens(call) for call in self._queue)
+            tokens = sum(self._expected_tokens(call, need) for call, need in needs)
             returning = sum(call.block.continued_step for call in self._queue)  # their next step comes at once: one row
             wait_s = latest_worth_holding(
                 due, cost, Sessions(len(queued), rows, tokens), saturated, self.limits.hold_scale, Sessions(returning, returning)
