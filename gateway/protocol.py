@@ -394,7 +394,8 @@ class CompletionResponse(BaseModel):
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
+    created: int
+    """Unix seconds: when this service began serving, the same in every listing and retrieval."""
     owned_by: str = "spade"
     max_model_len: int | None = None
 

@@ -7,6 +7,7 @@ route answers 503 in the OpenAI envelope.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 from fastapi import APIRouter, Request
@@ -45,6 +46,8 @@ def _streamed_or(model) -> dict:
 
 def build_openai_router() -> APIRouter:
     router = APIRouter()
+    # A model card's ``created``: one time for every listing and retrieval, when the service began.
+    served_since = int(time.time())
 
     @router.post("/v1/chat/completions", response_model=None, responses=_streamed_or(ChatCompletionResponse) | GENERATION_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
@@ -61,7 +64,7 @@ def build_openai_router() -> APIRouter:
 
     @router.get("/v1/models", responses=error_responses(401, 503))
     async def list_models(request: Request) -> ModelList:
-        return ModelList(data=[_model_card(current_engine(request))])
+        return ModelList(data=[_model_card(current_engine(request), served_since)])
 
     @router.get("/v1/models/{model_id:path}", responses=error_responses(401, 404, 503))
     async def retrieve_model(model_id: str, request: Request) -> ModelCard:
@@ -69,7 +72,7 @@ def build_openai_router() -> APIRouter:
         engine = current_engine(request)
         if model_id != engine.model.model_id:
             raise ModelNotFoundError(f"the model {model_id!r} does not exist here", param="model", code="model_not_found")
-        return _model_card(engine)
+        return _model_card(engine, served_since)
 
     metrics_responses: dict[int | str, dict] = {200: {"content": {"text/plain": {}}, "description": "Prometheus metrics."}}
 
@@ -81,8 +84,8 @@ def build_openai_router() -> APIRouter:
     return router
 
 
-def _model_card(engine: GenerationEngine) -> ModelCard:
-    return ModelCard(id=engine.model.model_id, max_model_len=engine.model.max_context_length)
+def _model_card(engine: GenerationEngine, created: int) -> ModelCard:
+    return ModelCard(id=engine.model.model_id, created=created, max_model_len=engine.model.max_context_length)
 
 
 def _limits(request: Request) -> RequestLimits:
