@@ -32,12 +32,15 @@ ADVICE = "spade+advice"
 """Emulated edges that cap each block at the verifier's advice."""
 CONTINUE = "spade+continue"
 """Emulated edges that follow advice and let a saturated verifier continue their sessions by
-itself (``--max-continued-tokens``; the real edge's default)."""
+itself (``--max-continued-tokens``), without decoding ahead (``--decode-ahead false``)."""
+AHEAD = "spade+ahead"
+"""The same, letting it also decode ahead for each next call (``--decode-ahead``; with
+continuation, the real edge's default)."""
 REPLAY = "replay"
 """Edges replaying the recorded verify calls (fixed blocks)."""
 TARGET = "target"
-SPADE_MODES = (SPADE, ADVICE, CONTINUE, REPLAY)
-EMULATED_MODES = (SPADE, ADVICE, CONTINUE)
+SPADE_MODES = (SPADE, ADVICE, CONTINUE, AHEAD, REPLAY)
+EMULATED_MODES = (SPADE, ADVICE, CONTINUE, AHEAD)
 """The modes whose users are emulated edges (``emulated_edge``)."""
 VERIFIER_CPU = "verifier_tree_cpu_seconds"
 """The key run_level gives the verifier's process-tree CPU seconds in its metrics delta."""
