@@ -59,6 +59,8 @@ METRIC_NAMES = (
     "spade_verifier_model_forward_rows_total",
     "spade_verifier_prompt_tokens_total",
     "spade_verifier_prefix_hit_tokens_total",  # 0 at every level: each user's calls have a salt of their own
+    "spade_verifier_ahead_tokens_total",
+    "spade_verifier_ahead_discarded_tokens_total",
 )
 
 
