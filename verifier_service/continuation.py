@@ -109,6 +109,11 @@ class SessionDecoder:
         return len(self.verdicts) - self.num_taken
 
     @property
+    def num_ahead(self) -> int:
+        """Steps decoded or under way past those taken."""
+        return self.num_ready + (1 if self.is_running else 0)
+
+    @property
     def taken_context(self) -> list[int]:
         """The committed context after the steps taken: where the next consumer continues."""
         return self._context[: self._num_committed + self.num_taken]

@@ -102,8 +102,8 @@ class VerifierMetrics:
         )
         self.ahead_tokens = Counter(
             "spade_verifier_ahead_tokens",
-            "Continued tokens decoded ahead of their call (max_ahead_tokens: while the answer before and the call"
-            " travelled) and taken by it; also in spade_verifier_continued_tokens",
+            "Tokens a verify call found decoded ahead of it, or being decoded, when it came (max_ahead_tokens: while the"
+            " answer before it and the call travelled), its next token and continued ones",
             registry=self.registry,
         )
         self.ahead_discarded_tokens = Counter(

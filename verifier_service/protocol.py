@@ -104,7 +104,8 @@ from gateway.protocol import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS, Seed, Temp
 from spade_core.params import MAX_CONTINUED_TOKENS, SamplingConfig
 
 WIRE_VERSION = 4
-"""The version of this wire (first release: 1; 2: the advice may be 0; 3: continuation). See the module's "Versions"."""
+"""The version of this wire (first release: 1; 2: the advice may be 0; 3: continuation; 4: decoding ahead). See the module's
+"Versions"."""
 
 SESSION_RESYNC_CODE = "session_resync_required"
 

@@ -90,7 +90,7 @@ class VerifierService:
             block = BlockToVerify(
                 session.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs, namespace
             )
-            decoder = await self._decoder_continued_by(session, block)
+            decoder = await self._decoder_continued_by(session, request, block)
             self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)), retain=False)
             try:
                 verdict, decoder = await self._verdict(block, decoder)
@@ -101,8 +101,7 @@ class VerifierService:
             committed = context + draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             continuation = Continuation()
             if advice == 0 and verdict.next_token_id not in self.backend.model.eos_token_ids:
-                allowed = min(request.max_continued_tokens, self.limits.max_continued_tokens)
-                ahead = min(request.max_ahead_tokens, self.limits.max_continued_tokens)
+                allowed, ahead = self._allowances(request)
                 continuation, decoder = await self.continued(session, block, committed, allowed, ahead, decoder)
                 committed += continuation.token_ids
                 advice = self._advice(session.session_id)
@@ -120,6 +119,11 @@ class VerifierService:
             self.metrics.prompt_tokens.inc(len(context))
         self._evict(keep=session.session_id)
         return response
+
+    def _allowances(self, request: VerifyRequest) -> tuple[int, int]:
+        """The tokens a call may be continued by and decoded ahead by, within the verifier's limit."""
+        limit = self.limits.max_continued_tokens
+        return min(request.max_continued_tokens, limit), min(request.max_ahead_tokens, limit)
 
     def _advice(self, session_id: str) -> int:
         advised = self.backend.advised_draft_length(session_id)
@@ -153,6 +157,7 @@ class VerifierService:
             decoder = SessionDecoder(
                 self.backend, block, committed, lambda: self._advice(session.session_id) == 0, self.backend.model.eos_token_ids, room
             )
+        decoder.allow(max_tokens + max_ahead)  # the steps ahead follow the call's own without a pause
         try:
             for verdict in await decoder.take(max_tokens):
                 self.metrics.observe_forward(verdict)
@@ -164,21 +169,22 @@ class VerifierService:
         finally:
             session.reserved_tokens = 0
         if max_ahead > 0 and len(continuation.token_ids) == max_tokens and not decoder.has_ended:
-            decoder.allow(max_ahead)
             return continuation, decoder
         self._discard(decoder.cancel())
         return continuation, None
 
-    async def _decoder_continued_by(self, session: Session, block: BlockToVerify) -> SessionDecoder | None:
+    async def _decoder_continued_by(self, session: Session, request: VerifyRequest, block: BlockToVerify) -> SessionDecoder | None:
         """The session's decoder that went on after its last call, if ``block`` continues it
-        (then the steps it decoded ahead are the call's own); any other is stopped, its steps
-        discarded."""
+        (then the steps it decoded ahead are the call's own, and it goes on for the call's next
+        token, continued tokens and steps ahead); any other is stopped, its steps discarded."""
         decoder = self._decoders.pop(session.session_id, None)
         session.ahead_tokens = 0
         if decoder is None:
             return None
         if decoder.continues(block):
-            self.metrics.ahead_tokens.inc(decoder.num_ready)
+            self.metrics.ahead_tokens.inc(decoder.num_ahead)
+            allowed, ahead = self._allowances(request)
+            decoder.allow(1 + allowed + ahead)
             return decoder
         self._discard(await decoder.stop())
         return None
