@@ -83,7 +83,6 @@ async def build_engine(
         overlap=settings.overlap,
         prefill_first=settings.prefill_first,
         max_continued_tokens=settings.max_continued_tokens,
-        decode_ahead=settings.decode_ahead,
     )
     return SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
 

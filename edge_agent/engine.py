@@ -83,8 +83,6 @@ class EngineOptions:
     """The first verify call carries the prompt alone (every verifier of this wire version takes an empty block)."""
     max_continued_tokens: int = field(default=0, kw_only=True)
     """Most tokens a verify call lets a saturated verifier decode on by itself (``--max-continued-tokens``)."""
-    decode_ahead: bool = field(default=False, kw_only=True)
-    """Let the verifier go on decoding for the next call while an answer travels (``--decode-ahead``)."""
 
 
 class SpeculativeEngine:
@@ -274,10 +272,9 @@ class SpeculativeEngine:
         have no target logprob)."""
         request = generation.request
         max_continued = continued_allowance(self._options.max_continued_tokens, generation.num_left, len(block.token_ids))
-        max_ahead = ahead_allowance(max_continued, generation.num_left, len(block.token_ids)) if self._options.decode_ahead else 0
         try:
             return await generation.verifier_session.verify(
-                generation.context, block, request.sampling, request.num_top_logprobs, max_continued, max_ahead
+                generation.context, block, request.sampling, request.num_top_logprobs, max_continued
             )
         except ServiceUnavailableError:
             record_unreachable_verifier(self._metrics)
@@ -329,17 +326,6 @@ def continued_allowance(max_continued_tokens: int, num_left: int, num_drafted: i
     budget leaves after the block's best case (its drafts and the next token). Example: 10
     left, a block of 0 -> up to 9 (with the setting at 8: 8); a block of 4 -> 5."""
     return max(0, min(max_continued_tokens, num_left - num_drafted - 1))
-
-
-def ahead_allowance(max_continued: int, num_left: int, num_drafted: int) -> int:
-    """How many tokens a call lets the verifier decode ahead for the next call (where it
-    continues this one by all ``max_continued``): at most what the next call takes (its next
-    token and as many continued), within what the budget leaves after this call's best case.
-    Example: 30 left, a block of 0, 8 continued -> 9 (the next call's next token + 8); 12 left
-    -> 3; 9 left -> 0 (the call's 1 + 8 end the budget)."""
-    if max_continued <= 0:
-        return 0
-    return max(0, min(max_continued + 1, num_left - num_drafted - 1 - max_continued))
 
 
 def generated_tokens(token_ids: list[int], call: VerifyCall | None) -> GeneratedTokens:

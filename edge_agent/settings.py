@@ -87,14 +87,6 @@ class EdgeSettings(ServiceSettings):
             " token; they then reach the caller together. 0: one call per token."
         ),
     )
-    decode_ahead: bool = Field(
-        True,
-        description=(
-            "Where the verifier continued a call by all of --max-continued-tokens, let it go on decoding the next"
-            " call's tokens while the answer travels (within the request's budget): a session it continues then stays"
-            " in every one of its forwards instead of missing one per call. The output is the same either way."
-        ),
-    )
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
     verify_retries: int = Field(2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.")
     fallback: Literal["error", "draft"] = Field(

@@ -266,19 +266,17 @@ class VerifierSession:
         sampling: SamplingConfig,
         num_top_logprobs: int | None = None,
         max_continued_tokens: int = 0,
-        max_ahead_tokens: int = 0,
     ) -> VerifyCall:
         """``num_top_logprobs``: None asks for no logprobs; N for the emitted tokens' and N
         alternatives each. ``max_continued_tokens``: how many tokens a saturated verifier may
-        decode on by itself after the verdict (the wire's continuation); ``max_ahead_tokens``: how
-        many it may go on for the next call (decoding ahead). Returns only a verdict
+        decode on by itself after the verdict (the wire's continuation). Returns only a verdict
         that passed ``checked_verdict``."""
         started = time.perf_counter()
         self.has_called = True
         traffic = Traffic()
         resynced = False
         try:
-            request = self._request(context, block, sampling, num_top_logprobs, max_continued_tokens, max_ahead_tokens)
+            request = self._request(context, block, sampling, num_top_logprobs, max_continued_tokens)
             verdict, committed_digest = await self._trusted_verdict(request, context, traffic)
         except VerifierProtocolError:
             await self.client.raise_if_incompatible()
@@ -287,7 +285,7 @@ class VerifierSession:
             logger.debug("session %s: resending the whole context (%s)", self.session_id, type(error).__name__)
             resynced = True
             self.verifier_length = 0
-            request = self._request(context, block, sampling, num_top_logprobs, max_continued_tokens, max_ahead_tokens)
+            request = self._request(context, block, sampling, num_top_logprobs, max_continued_tokens)
             verdict, committed_digest = await self._resynced_verdict(request, context, traffic)
         self.verifier_length = verdict.context_length
         self.checked_digest = (verdict.context_length, committed_digest)
@@ -336,13 +334,7 @@ class VerifierSession:
             self.client.end_session_soon(self)
 
     def _request(
-        self,
-        context: list[int],
-        block: DraftBlock,
-        sampling: SamplingConfig,
-        num_top_logprobs: int | None,
-        max_continued_tokens: int,
-        max_ahead_tokens: int,
+        self, context: list[int], block: DraftBlock, sampling: SamplingConfig, num_top_logprobs: int | None, max_continued_tokens: int
     ) -> VerifyRequest:
         known = self.verifier_length
         checked_length, checked_digest = self.checked_digest
@@ -357,7 +349,6 @@ class VerifierSession:
             num_top_logprobs=num_top_logprobs,
             cache_salt=self.cache_salt,
             max_continued_tokens=max_continued_tokens,
-            max_ahead_tokens=max_ahead_tokens,
         )
 
 

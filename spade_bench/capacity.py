@@ -51,18 +51,7 @@ from spade_bench.capacity_record import (
     recording_app,
     write_sessions,
 )
-from spade_bench.capacity_report import (
-    ADVICE,
-    AHEAD,
-    CONTINUE,
-    EMULATED_MODES,
-    REPLAY,
-    SPADE,
-    TARGET,
-    LevelRow,
-    markdown_table,
-    write_plots,
-)
+from spade_bench.capacity_report import ADVICE, CONTINUE, EMULATED_MODES, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
 from spade_bench.client import Generation, make_client, served_model, stream_chat
 from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
@@ -71,7 +60,7 @@ from spade_bench.emulated_edge import EdgePolicy
 from spade_bench.prefill_interference import InterferenceResult, InterferenceSetup, interference_table, measure_interference
 from spade_bench.services import ServiceSpec, console_command, edge_command, start_service, verifier_command
 
-MODES = (TARGET, SPADE, ADVICE, CONTINUE, AHEAD, REPLAY)
+MODES = (TARGET, SPADE, ADVICE, CONTINUE, REPLAY)
 MIXES = {
     "short": {"max_tokens": 128},
     "long": {"max_tokens": 32, "max_article_chars": 8000, "min_prompt_chars": 4500},

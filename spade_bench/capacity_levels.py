@@ -30,7 +30,6 @@ import httpx
 from spade_bench.capacity_record import RecordedSession
 from spade_bench.capacity_report import (
     ADVICE,
-    AHEAD,
     CONTINUE,
     EMULATED_MODES,
     QUEUE_HISTOGRAM,
@@ -59,8 +58,6 @@ METRIC_NAMES = (
     "spade_verifier_model_forward_rows_total",
     "spade_verifier_prompt_tokens_total",
     "spade_verifier_prefix_hit_tokens_total",  # 0 at every level: each user's calls have a salt of their own
-    "spade_verifier_ahead_tokens_total",
-    "spade_verifier_ahead_discarded_tokens_total",
 )
 
 
@@ -99,14 +96,11 @@ def emulated_result(mode: str, run: EmulatedRun) -> UserResult:
 
 async def emulated_user(client: httpx.AsyncClient, mode: str, session: RecordedSession, setup: LevelSetup) -> UserResult:
     """One emulated edge drafting from the session's trace; ``spade+advice`` follows advice,
-    ``spade+continue`` also lets the verifier continue (``setup.max_continued_tokens``),
-    ``spade+ahead`` and decode ahead for each next call."""
+    ``spade+continue`` also lets the verifier continue (``setup.max_continued_tokens``)."""
     if session.trace is None:
         raise ValueError(f"session {session.item_id} has no draft trace: record again (or run the replay mode)")
-    continues = setup.max_continued_tokens if mode in (CONTINUE, AHEAD) else 0
-    policy = replace(
-        setup.policy, follows_advice=mode in (ADVICE, CONTINUE, AHEAD), max_continued_tokens=continues, decodes_ahead=mode == AHEAD
-    )
+    continues = setup.max_continued_tokens if mode == CONTINUE else 0
+    policy = replace(setup.policy, follows_advice=mode in (ADVICE, CONTINUE), max_continued_tokens=continues)
     think_s = session.calls[0].think_s if session.calls and not session.calls[0].request["draft_tokens"] else 0.0
     edge = EmulatedEdge(session.trace, policy, setup.rtt_s, think_s)
     return emulated_result(mode, await edge.run(client, asyncio.sleep))

@@ -32,15 +32,12 @@ ADVICE = "spade+advice"
 """Emulated edges that cap each block at the verifier's advice."""
 CONTINUE = "spade+continue"
 """Emulated edges that follow advice and let a saturated verifier continue their sessions by
-itself (``--max-continued-tokens``), without decoding ahead (``--decode-ahead false``)."""
-AHEAD = "spade+ahead"
-"""The same, letting it also decode ahead for each next call (``--decode-ahead``; with
-continuation, the real edge's default)."""
+itself (``--max-continued-tokens``; the real edge's default)."""
 REPLAY = "replay"
 """Edges replaying the recorded verify calls (fixed blocks)."""
 TARGET = "target"
-SPADE_MODES = (SPADE, ADVICE, CONTINUE, AHEAD, REPLAY)
-EMULATED_MODES = (SPADE, ADVICE, CONTINUE, AHEAD)
+SPADE_MODES = (SPADE, ADVICE, CONTINUE, REPLAY)
+EMULATED_MODES = (SPADE, ADVICE, CONTINUE)
 """The modes whose users are emulated edges (``emulated_edge``)."""
 VERIFIER_CPU = "verifier_tree_cpu_seconds"
 """The key run_level gives the verifier's process-tree CPU seconds in its metrics delta."""
@@ -101,10 +98,6 @@ class LevelRow:
     user_wall_p50_s: float | None = None
     continued_share: float | None = None
     """Of the tokens, those the verifier continued with by itself (None for target-only)."""
-    ahead_share: float | None = None
-    """Of the tokens, those it had decoded ahead of their call before the call came (``spade+ahead``)."""
-    num_discarded: int = 0
-    """Steps it decoded ahead that no call took (forwards spent on tokens never emitted)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,8 +154,6 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         num_cut=sum(user.num_cut for user in users),
         user_wall_p50_s=percentile([user.wall_s for user in users], 50),
         continued_share=_ratio(sum(user.num_continued for user in users), tokens) if mode != TARGET else None,
-        ahead_share=_ratio(metrics_delta.get("spade_verifier_ahead_tokens_total"), tokens) if mode != TARGET else None,
-        num_discarded=round(metrics_delta.get("spade_verifier_ahead_discarded_tokens_total", 0)),
     )
 
 
@@ -237,9 +228,8 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
     target_rate = {row.num_users: row.aggregate_tok_s for row in rows if row.mode == TARGET}
     lines = [
         "| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
-        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | continued | ahead | discarded "
-        "| mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | continued | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r.num_users, r.mode != TARGET, r.mode)):
         ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
@@ -249,7 +239,7 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
             f"| {_metric(row.sessions_per_forward)} | {_metric(row.rows_per_token)} | {_metric(row.queue_ms_p50, 0)} "
             f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {_fmt(row.continued_share)} "
-            f"| {_fmt(row.ahead_share)} | {row.num_discarded if is_spade else '–'} | {row.num_mismatches if is_spade else '–'} |"
+            f"| {row.num_mismatches if is_spade else '–'} |"
         )
     bounds = [f"N = {row.num_users}: {_fmt(prefill_bound(row))}×" for row in sorted(rows, key=lambda r: r.num_users) if row.mode == TARGET]
     if bounds:

@@ -35,7 +35,7 @@ from typing import Literal
 import httpx
 
 from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy, draft_length_policy
-from edge_agent.engine import ahead_allowance, continued_allowance
+from edge_agent.engine import continued_allowance
 from spade_bench.draft_trace import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, WireSampling, context_digest
 
@@ -54,8 +54,6 @@ class EdgePolicy:
     max_continued_tokens: int = 0
     """Each call lets a saturated verifier continue this many tokens by itself (the edge's
     ``--max-continued-tokens``); 0: none."""
-    decodes_ahead: bool = False
-    """Each such call also lets it decode ahead for the next call (the edge's ``--decode-ahead``)."""
 
     def build(self) -> DraftLengthPolicy:
         """A fresh service-wide policy: every emulated edge is a box of its own."""
@@ -64,7 +62,6 @@ class EdgePolicy:
     @property
     def label(self) -> str:
         continues = f" + continue {self.max_continued_tokens}" if self.max_continued_tokens else ""
-        continues += " + ahead" if self.max_continued_tokens and self.decodes_ahead else ""
         return f"{self.draft_length}" + (" + advice" if self.follows_advice else "") + continues
 
 
@@ -179,10 +176,8 @@ class EmulatedEdge:
                 await sleep(self._think_s(num_drafted, len(run.calls), time.perf_counter() - first_sent_at) + self.rtt_s)
                 first_sent_at = first_sent_at or time.perf_counter()
                 block = drafted_block(self.trace, position, num_drafted)
-                num_left = target_length - position
-                max_continued = continued_allowance(self.policy.max_continued_tokens, num_left, num_drafted)
-                max_ahead = ahead_allowance(max_continued, num_left, num_drafted) if self.policy.decodes_ahead else 0
-                record, payload = await self._call(client, run, position, block, max_continued, max_ahead)
+                max_continued = continued_allowance(self.policy.max_continued_tokens, target_length - position, num_drafted)
+                record, payload = await self._call(client, run, position, block, max_continued)
                 if payload is None:
                     break
                 verdict = VerifyResponse.model_validate(payload)
@@ -209,7 +204,7 @@ class EmulatedEdge:
         return drafting_s
 
     async def _call(
-        self, client: httpx.AsyncClient, run: EmulatedRun, position: int, block: list[int], max_continued_tokens: int, max_ahead_tokens: int
+        self, client: httpx.AsyncClient, run: EmulatedRun, position: int, block: list[int], max_continued_tokens: int
     ) -> tuple[CallRecord, dict | None]:
         committed = self.trace.prompt_token_ids + self.trace.target_token_ids[:position]
         known = 0 if not run.calls else len(committed)  # the verifier appended every earlier verdict itself
@@ -222,7 +217,6 @@ class EmulatedEdge:
             sampling=WireSampling(temperature=0.0),
             cache_salt=run.session_id,  # a prompt of its own: no prefix cached by another run or mode
             max_continued_tokens=max_continued_tokens,
-            max_ahead_tokens=max_ahead_tokens,
         )
         sent_at = time.perf_counter()
         response = await client.post(

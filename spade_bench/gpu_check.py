@@ -312,7 +312,7 @@ def verifier_spec(config: CheckConfig, model_dir: Path):
 
 def run_check(config: CheckConfig) -> dict:
     from spade_bench.capacity_levels import LevelSetup, measure_levels, run_level
-    from spade_bench.capacity_report import ADVICE, AHEAD, CONTINUE, TARGET, markdown_table
+    from spade_bench.capacity_report import ADVICE, CONTINUE, TARGET, markdown_table
     from spade_bench.emulated_edge import EdgePolicy
     from spade_bench.prefill_interference import InterferenceSetup, interference_table, measure_interference
     from spade_bench.services import start_service
@@ -342,7 +342,7 @@ def run_check(config: CheckConfig) -> dict:
         setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16))
         asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
         # Edges ignoring the advice (Run K's "spade" rows) are left out for continuation's: the GPU's time is short.
-        rows = measure_levels(verifier, sessions, config.users, (TARGET, ADVICE, CONTINUE, AHEAD), setup)
+        rows = measure_levels(verifier, sessions, config.users, (TARGET, ADVICE, CONTINUE), setup)
         results.add(
             {"rows": [row.to_dict() for row in rows]},
             f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "

@@ -76,8 +76,6 @@ class ScriptedVerifier:
     cancelled: list[int] = field(default_factory=list)
     allowed_continuations: list[int] = field(default_factory=list)
     """Every call's max_continued_tokens."""
-    allowed_ahead: list[int] = field(default_factory=list)
-    """Every call's max_ahead_tokens."""
 
     def open_session(self, cache_salt: str | None = None, route_key: str | None = None) -> ScriptedVerifier:
         return self
@@ -89,12 +87,10 @@ class ScriptedVerifier:
         sampling: SamplingConfig,
         num_top_logprobs: int | None = None,
         max_continued_tokens: int = 0,
-        max_ahead_tokens: int = 0,
     ) -> VerifyCall:
         """Under an advice of 0 it continues ``max_continued_tokens`` tokens, as a saturated verifier does."""
         call = len(self.calls)
         self.allowed_continuations.append(max_continued_tokens)
-        self.allowed_ahead.append(max_ahead_tokens)
         try:
             await asyncio.sleep(3600 if call == self.hang_on_call else self.latency_s)
         except asyncio.CancelledError:

@@ -268,26 +268,17 @@ def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters
         UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4, num_drafted=12, num_cut=1),
         UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4),
     ]
-    delta = {
-        "spade_verifier_queue_seconds_count": 8.0,
-        MODEL_FORWARDS: 5.0,
-        MODEL_ROWS: 30.0,
-        QUEUE_P50_MS: 12.0,
-        "spade_verifier_ahead_tokens_total": 5.0,
-        "spade_verifier_ahead_discarded_tokens_total": 2.0,
-    }
+    delta = {"spade_verifier_queue_seconds_count": 8.0, MODEL_FORWARDS: 5.0, MODEL_ROWS: 30.0, QUEUE_P50_MS: 12.0}
     row = level_row(SPADE, users, delta)
     assert (row.sessions_per_forward, row.rows_per_token, row.queue_ms_p50, row.mean_block, row.num_cut) == (1.6, 1.5, 12.0, 1.5, 1)
     without = level_row(TARGET, users, {"spade_verifier_queue_seconds_count": 8.0})
     assert (without.sessions_per_forward, without.rows_per_token, without.mean_block) == (None, None, None)
     table = markdown_table([row, without], 1.0)
     assert table.splitlines()[0].startswith("| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s |")
-    columns = ("verifier CPU s/tok", "sessions/forward", "rows/token", "queue ms p50", "block", "cut", "continued", "ahead", "discarded")
-    for column in (*columns, "mismatches"):
+    for column in ("verifier CPU s/tok", "sessions/forward", "rows/token", "queue ms p50", "block", "cut", "continued", "mismatches"):
         assert f"| {column} |" in table.splitlines()[0] or table.splitlines()[0].endswith(f"| {column} |")
-    assert "| 2 | target | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | n/a | n/a | n/a | – | – | – | – | – | – |" in table
-    # 5 of the 20 tokens decoded ahead of their calls, 2 steps ahead discarded
-    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0.00 | 0.25 | 2 | 0 |" in table
+    assert "| 2 | target | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | n/a | n/a | n/a | – | – | – | – |" in table
+    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0.00 | 0 |" in table
     assert "Prefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — N = 2: 5.00×." in table
 
 

@@ -4,12 +4,7 @@ the verifier itself, one target-only step per forward, instead of one call per t
 tokens are exactly those block-less calls would get one by one (greedy and seeded sampling,
 with logprobs); the verifier stops at the call's and its own limit, at an end-of-sequence token,
 at the context limit and as soon as its advice is above 0; the edge checks them under the
-verdict digest, emits them, and lets the verifier continue only within the request's budget.
-
-Decoding ahead (wire version 4, ``max_ahead_tokens``): the verifier goes on past a call's
-continued tokens while its answer travels; the next block-less call of the same sampling takes
-those steps (they are exactly its own tokens), any other next call discards them, and a session
-ended meanwhile leaves no cache behind. The edge allows only what its budget leaves."""
+verdict digest, emits them, and lets the verifier continue only within the request's budget."""
 
 from __future__ import annotations
 
@@ -21,11 +16,10 @@ import httpx
 import pytest
 
 from edge_agent.draft_length import FixedDraftLength
-from edge_agent.engine import ahead_allowance, continued_allowance
+from edge_agent.engine import continued_allowance
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import UntrustedAnswerError, checked_verdict
 from scripted_support import PROMPT, ScriptedDrafter, ScriptedVerifier, generate, scripted_engine, target_continuation
-from servers import wait_until
 from spade_bench.draft_trace import DraftTrace
 from spade_bench.emulated_edge import verdict_error
 from verifier_service.protocol import VerifyRequest, VerifyResponse, VerifyTimings, context_digest, verdict_digest
@@ -180,113 +174,6 @@ def test_the_wire_bounds_what_a_call_may_allow(client):
         assert (response.status_code, response.json()["error"]["param"]) == (400, "max_continued_tokens")
 
 
-# --- decoding ahead ---------------------------------------------------------------------------
-
-
-def model_forwards(client) -> float:
-    return metric(client, "spade_verifier_model_forwards_total")
-
-
-def call_and_decode_ahead(client, session_id: str, context: list[int], extra: dict, continued: int, ahead: int) -> dict:
-    """A call continued by ``continued`` tokens and allowed ``ahead`` more; returns once the
-    verifier has decoded them (one forward a step: the only session, saturated)."""
-    before = model_forwards(client)
-    answer = verify(
-        client, verify_body(session_id, [], [], new_tokens=context) | extra | {"max_continued_tokens": continued, "max_ahead_tokens": ahead}
-    )
-    assert wait_until(lambda: model_forwards(client) - before == 1 + continued + ahead)
-    return answer
-
-
-@pytest.mark.parametrize("sampling", [None, SAMPLED], ids=["greedy", "sampled"])
-def test_the_next_call_takes_the_steps_decoded_ahead_and_they_are_its_own(saturated, sampling):
-    client, context = saturated, random_tokens(random.Random(10), 8, 300)
-    extra = {"num_top_logprobs": 2} | ({} if sampling is None else {"sampling": sampling})
-    session_id, taken_before = new_session_id(), metric(client, "spade_verifier_ahead_tokens_total")
-    first = call_and_decode_ahead(client, session_id, context, extra, continued=3, ahead=4)
-    held = committed_after(context, [], first)
-    forwards_before = model_forwards(client)
-    second = verify(client, verify_body(session_id, held, []) | extra | {"max_continued_tokens": 4})
-    assert model_forwards(client) - forwards_before == 1  # 4 of its 5 tokens were decoded before it came
-    assert metric(client, "spade_verifier_ahead_tokens_total") - taken_before == 4
-    singles = one_call_per_token(client, context, 9, extra)
-    assert [first["next_token"], *first["continued_tokens"], second["next_token"], *second["continued_tokens"]] == [
-        answer["next_token"] for answer in singles
-    ]
-    assert first["logprobs"] + second["logprobs"] == [answer["logprobs"][0] for answer in singles]
-    assert first["top_logprobs"] + second["top_logprobs"] == [answer["top_logprobs"][0] for answer in singles]
-    assert second["context_length"] == len(context) + 9
-
-
-def test_a_next_call_of_another_kind_discards_the_steps_decoded_ahead(saturated):
-    client, context = saturated, random_tokens(random.Random(11), 8, 300)
-    session_id, discarded_before = new_session_id(), metric(client, "spade_verifier_ahead_discarded_tokens_total")
-    first = call_and_decode_ahead(client, session_id, context, {}, continued=2, ahead=3)
-    held = committed_after(context, [], first)
-    second = verify(client, verify_body(session_id, held, []) | {"num_top_logprobs": 1, "max_continued_tokens": 2})
-    assert metric(client, "spade_verifier_ahead_discarded_tokens_total") - discarded_before == 3
-    assert len(second["logprobs"]) == 3  # its own steps, with the logprobs it asked for
-    singles = one_call_per_token(client, context, 6, {})
-    assert [first["next_token"], *first["continued_tokens"], second["next_token"], *second["continued_tokens"]] == [
-        answer["next_token"] for answer in singles
-    ]
-
-
-def test_a_resent_context_discards_the_steps_decoded_ahead(saturated):
-    # The edge lost its session (a resync): the whole context again, prefix 0; the verdict is still exact.
-    client, context = saturated, random_tokens(random.Random(12), 8, 300)
-    session_id = new_session_id()
-    first = call_and_decode_ahead(client, session_id, context, {}, continued=1, ahead=3)
-    again = verify(client, verify_body(session_id, [], [], new_tokens=context + [first["next_token"]]))
-    assert again["next_token"] == first["continued_tokens"][0]
-
-
-def test_a_step_ahead_that_failed_leaves_the_next_call_its_own_steps(saturated, monkeypatch):
-    client, backend = saturated, saturated.app.state.service.backend
-    context, verify_block, steps = random_tokens(random.Random(15), 8, 300), backend.verify_block, []
-
-    async def failing_the_first_step_ahead(block):
-        steps.append(block)
-        if len(steps) == 3:  # the call's verdict, its continued step, then the first step ahead
-            raise RuntimeError("a forward failed")
-        return await verify_block(block)
-
-    monkeypatch.setattr(backend, "verify_block", failing_the_first_step_ahead)
-    session_id = new_session_id()
-    first = verify(client, verify_body(session_id, [], [], new_tokens=context) | {"max_continued_tokens": 1, "max_ahead_tokens": 3})
-    assert wait_until(lambda: len(steps) == 3)
-    second = verify(client, verify_body(session_id, committed_after(context, [], first), []) | {"max_continued_tokens": 2})
-    singles = one_call_per_token(client, context, 5, {})
-    assert [first["next_token"], *first["continued_tokens"], second["next_token"], *second["continued_tokens"]] == [
-        answer["next_token"] for answer in singles
-    ]
-
-
-def test_a_session_ended_while_decoding_ahead_leaves_no_cache(saturated):
-    client, backend = saturated, saturated.app.state.service.backend
-    context, cached_before = random_tokens(random.Random(13), 8, 300), backend.num_cached_sessions
-    session_id = new_session_id()
-    verify(client, verify_body(session_id, [], [], new_tokens=context) | {"max_continued_tokens": 1, "max_ahead_tokens": 64})
-    assert client.delete(f"/v1/sessions/{session_id}").json()["deleted"]
-    assert wait_until(lambda: backend.num_cached_sessions == cached_before)
-    assert not client.app.state.service._decoders
-
-
-def test_without_an_allowance_nothing_is_decoded_ahead(saturated):
-    client, context = saturated, random_tokens(random.Random(14), 8, 300)
-    before = model_forwards(client)
-    verify(client, verify_body(new_session_id(), [], [], new_tokens=context) | {"max_continued_tokens": 2})
-    assert model_forwards(client) - before == 3
-    assert not client.app.state.service._decoders
-
-
-def test_the_wire_bounds_what_a_call_may_allow_ahead(client):
-    body = verify_body(new_session_id(), [], [], new_tokens=[5, 6, 7])
-    for allowed in (-1, 1025, "4"):
-        response = post_verify(client, body | {"max_ahead_tokens": allowed})
-        assert (response.status_code, response.json()["error"]["param"]) == (400, "max_ahead_tokens")
-
-
 # --- the edge --------------------------------------------------------------------------------
 
 CONTEXT = [3, 1, 4, 1, 5]
@@ -354,27 +241,8 @@ async def test_a_saturated_verifier_serves_the_edge_several_tokens_a_call(overla
     # The prompt-only call (no advice yet, continued all the same by this saturated verifier): 1 + 8
     # tokens; then 1 + 8; then the 2 left: 1 + 1. Each call allows only what the budget leaves.
     assert verifier.allowed_continuations == [8, 8, 1]
-    assert verifier.allowed_ahead == [0, 0, 0]  # --decode-ahead off
     assert (stats.verify_calls, stats.continued_tokens) == (3, 17)
     assert f"spade_edge_continued_tokens_total {17.0}" in metrics_text(metrics)
-
-
-def test_the_edge_allows_ahead_only_what_its_budget_leaves():
-    assert ahead_allowance(8, 30, 0) == 9  # the next call's next token + 8 continued
-    assert ahead_allowance(8, 12, 0) == 3
-    assert ahead_allowance(8, 9, 0) == 0  # this call's 1 + 8 end the budget
-    assert ahead_allowance(8, 30, 4) == 9
-    assert ahead_allowance(0, 30, 0) == 0
-
-
-async def test_an_edge_that_decodes_ahead_allows_it_within_the_budget():
-    verifier = ScriptedVerifier(latency_s=0.01, advice=0)
-    engine = scripted_engine(
-        ScriptedDrafter(), verifier, FixedDraftLength(4), prefill_first=True, max_continued_tokens=8, decode_ahead=True
-    )
-    tokens, _ = await generate(engine, 20)
-    assert tokens == target_continuation(PROMPT, 20)
-    assert (verifier.allowed_continuations, verifier.allowed_ahead) == ([8, 8, 1], [9, 2, 0])
 
 
 async def test_without_continuation_the_edge_allows_none():

@@ -58,8 +58,8 @@ PREFILL_S = 5.0
 class PrefillTimingVerifier(ScriptedVerifier):
     """Reports a long verifier time for the prompt-only call, 1 ms for every block."""
 
-    async def verify(self, context, block, sampling, num_top_logprobs=None, max_continued_tokens=0, max_ahead_tokens=0) -> VerifyCall:
-        call = await super().verify(context, block, sampling, num_top_logprobs, max_continued_tokens, max_ahead_tokens)
+    async def verify(self, context, block, sampling, num_top_logprobs=None, max_continued_tokens=0) -> VerifyCall:
+        call = await super().verify(context, block, sampling, num_top_logprobs, max_continued_tokens)
         if block.token_ids:
             return call
         timings = VerifyTimings(queue_ms=0.0, forward_ms=PREFILL_S * 1e3, total_ms=PREFILL_S * 1e3)
@@ -72,7 +72,7 @@ class UnreachableVerifier(ScriptedVerifier):
 
     tried: list[list[int]] = field(default_factory=list)
 
-    async def verify(self, context, block, sampling, num_top_logprobs=None, max_continued_tokens=0, max_ahead_tokens=0) -> VerifyCall:
+    async def verify(self, context, block, sampling, num_top_logprobs=None, max_continued_tokens=0) -> VerifyCall:
         self.tried.append(list(block.token_ids))
         raise ServiceUnavailableError("the verifier is gone", code="verifier_unavailable")
 

@@ -29,11 +29,10 @@ NEXT_VERSION = WIRE_VERSION + 1
 URL = "http://verifier"
 
 
-def test_this_release_speaks_wire_version_4():
+def test_this_release_speaks_wire_version_3():
     # 2: the advice may be 0 (an edge of version 1 would refuse such a verdict); 3: continuation
-    # (an edge of version 2 would digest a verdict without its continued_tokens, and fail it);
-    # 4: decoding ahead (a verifier of version 3 refuses a call with max_ahead_tokens)
-    assert WIRE_VERSION == 4
+    # (an edge of version 2 would digest a verdict without its continued_tokens, and fail it)
+    assert WIRE_VERSION == 3
 
 
 @pytest.mark.parametrize(("body", "refused"), [

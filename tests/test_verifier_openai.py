@@ -335,8 +335,6 @@ VERIFIER_COUNTERS = [
     "cut_blocks",
     "cut_tokens",
     "continued_tokens",
-    "ahead_tokens",
-    "ahead_discarded_tokens",
     "native_requests",  # vLLM's own decode loop (--target-route native): 0 here
     "native_aborted",
     "prompt_tokens",

@@ -52,7 +52,6 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
             loading.cancel()
             service: VerifierService | None = app.state.service
             if service is not None:
-                service.stop_decoding()
                 await service.backend.aclose()
 
     app = FastAPI(title="SPADE verifier", lifespan=lifespan)

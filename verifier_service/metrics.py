@@ -100,18 +100,6 @@ class VerifierMetrics:
             " it: max_continued_tokens); each is also a target-only step in spade_verifier_forward_passes",
             registry=self.registry,
         )
-        self.ahead_tokens = Counter(
-            "spade_verifier_ahead_tokens",
-            "Tokens a verify call found decoded ahead of it, or being decoded, when it came (max_ahead_tokens: while the"
-            " answer before it and the call travelled), its next token and continued ones",
-            registry=self.registry,
-        )
-        self.ahead_discarded_tokens = Counter(
-            "spade_verifier_ahead_discarded_tokens",
-            "Tokens decoded ahead that no call took (the session's next call drafted, changed its sampling or never came);"
-            " their steps are in spade_verifier_forward_passes, not in spade_verifier_generated_tokens",
-            registry=self.registry,
-        )
         self.native_requests = Counter(
             "spade_verifier_native_requests",
             (
@@ -154,12 +142,6 @@ class VerifierMetrics:
         self.batch_sessions.observe(verdict.num_batched)
         if verdict.model_s is not None and verdict.num_batched == 1:
             self.forward_seconds_by_block.labels(block_label(num_drafted, verdict.num_target_tokens)).observe(verdict.model_s)
-
-    def observe_discarded(self, verdict: BlockVerdict) -> None:
-        """A step decoded ahead that no call took: a forward pass whose token is never emitted."""
-        self.forward_passes.inc()
-        self.target_tokens.inc(verdict.num_target_tokens)
-        self.ahead_discarded_tokens.inc()
 
     def observe_model_forward(self, record: ForwardRecord) -> None:
         """One model forward (the transformers backend reports each; vLLM's are its own)."""

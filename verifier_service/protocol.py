@@ -58,11 +58,7 @@ call would carry no block), it goes on decoding the session by itself, one targe
 forward of its own scheduler, and answers the tokens in ``continued_tokens``: each the target's
 own next token, drawn with that position's seeded draws, exactly what empty-block calls would
 have got one by one. It stops after K tokens, at an end-of-sequence token, at the context limit,
-or as soon as its advice for the session is above 0 again (drafting pays again). With
-``max_ahead_tokens`` (A > 0) a call continued by all K tokens lets the verifier go on by up to
-A more while the answer travels; the session's next call, block-less with the same sampling and
-logprobs, is answered from them (its ``next_token`` the first), the verifier going on for it
-(``verifier_service.continuation``); any other next call discards them. Past the knee
+or as soon as its advice for the session is above 0 again (drafting pays again). Past the knee
 a session then costs the verifier one row per token and one call per K tokens, as a target-only
 user does, instead of a call per token. The committed context after the call is context +
 accepted + next + continued. Example, the verifier saturated:
@@ -81,8 +77,7 @@ works only with a verifier of its own version (it refuses to start against anoth
 running answers 503 ``verifier_incompatible``). A change an edge of the current version would
 misread (a field renamed, removed or newly required, a meaning changed) takes the next version.
 Versions: 1, the first release; 2, the advice may be 0; 3, continuation (``max_continued_tokens``,
-``continued_tokens``, and the request fingerprint covers every field); 4, decoding ahead
-(``max_ahead_tokens``).
+``continued_tokens``, and the request fingerprint covers every field).
 
 Prefix caching. Calls that start a session's cache (``prefix_length`` 0) may start it from a
 prefix another session of the same namespace (``cache_salt`` and, by default, API key:
@@ -103,9 +98,8 @@ from gateway.model import ModelDescription
 from gateway.protocol import MAX_CACHE_SALT_LENGTH, MAX_TOP_LOGPROBS, Seed, Temperature, TopK, TopP, UnicodeChecked
 from spade_core.params import MAX_CONTINUED_TOKENS, SamplingConfig
 
-WIRE_VERSION = 4
-"""The version of this wire (first release: 1; 2: the advice may be 0; 3: continuation; 4: decoding ahead). See the module's
-"Versions"."""
+WIRE_VERSION = 3
+"""The version of this wire (first release: 1; 2: the advice may be 0; 3: continuation). See the module's "Versions"."""
 
 SESSION_RESYNC_CODE = "session_resync_required"
 
@@ -194,14 +188,6 @@ class VerifyRequest(UnicodeChecked):
         le=MAX_CONTINUED_TOKENS,
         description="Up to this many tokens the verifier may decode on by itself after next_token, where its advice "
         "is 0 (see continued_tokens); 0: never.",
-    )
-    max_ahead_tokens: int = Field(
-        default=0,
-        ge=0,
-        le=MAX_CONTINUED_TOKENS,
-        description="Where the verifier continued this call by all of max_continued_tokens, it may go on decoding up "
-        "to this many tokens for the session's next call while the answer travels (what the edge's budget leaves "
-        "after this call); a next call without a block and with the same sampling takes them. 0: never.",
     )
 
     def fingerprint(self) -> str:

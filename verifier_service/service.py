@@ -4,16 +4,17 @@ leaves the session as it was."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from gateway.engine import TopLogprobs as TopLogprobsOfToken
 from gateway.engine import check_logprobs_support
 from gateway.errors import InvalidRequestError, OverloadedError, SessionConflictError
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
-from verifier_service.continuation import Continuation, SessionDecoder
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 from verifier_service.protocol import (
@@ -31,6 +32,8 @@ from verifier_service.sessions import Session, SessionRegistry
 
 PROB_SUM_TOLERANCE = 1e-3
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class VerifyLimits:
@@ -44,6 +47,17 @@ class VerifyLimits:
     def __post_init__(self) -> None:
         if self.max_draft_length < 1 or self.max_draft_support < 1 or self.max_continued_tokens < 0:
             raise ValueError("verify limits must be positive (max_continued_tokens: >= 0)")
+
+
+@dataclass
+class Continuation:
+    """The target-only steps one call ran on by itself after its verdict (``VerifierService.continued``)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobsOfToken] = field(default_factory=list)
+    num_target_tokens: int = 0
+    forward_s: float = 0.0
 
 
 class VerifierService:
@@ -68,9 +82,6 @@ class VerifierService:
         self.limits = limits
         self.metrics = metrics
         self.prefix_sharing: PrefixSharing = prefix_sharing
-        self._decoders: dict[str, SessionDecoder] = {}
-        """Per session, the decoder that went on past its last call's continued tokens
-        (``continuation``: decoding ahead), for its next call to take over."""
 
     async def verify(self, request: VerifyRequest, owner: str = "") -> VerifyResponse:
         """``owner``: the caller's key id (``gateway.security.key_id``; "" without keys): each
@@ -90,10 +101,9 @@ class VerifierService:
             block = BlockToVerify(
                 session.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs, namespace
             )
-            decoder = await self._decoder_continued_by(session, request, block)
             self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)), retain=False)
             try:
-                verdict, decoder = await self._verdict(block, decoder)
+                verdict = await self.backend.verify_block(block)
             finally:
                 session.reserved_tokens = 0
             self.metrics.observe_verify(len(draft_tokens), verdict)
@@ -101,135 +111,64 @@ class VerifierService:
             committed = context + draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             continuation = Continuation()
             if advice == 0 and verdict.next_token_id not in self.backend.model.eos_token_ids:
-                allowed, ahead = self._allowances(request)
-                continuation, decoder = await self.continued(session, block, committed, allowed, ahead, decoder)
+                continuation = await self.continued(
+                    session, block, committed, min(request.max_continued_tokens, self.limits.max_continued_tokens)
+                )
                 committed += continuation.token_ids
                 advice = self._advice(session.session_id)
-            elif decoder is not None:  # the advice rose: its steps decoded ahead are not wanted
-                self._discard(decoder.cancel())
-                decoder = None
             committed_digest = context_digest(committed)
             response = self._response(request, len(context), verdict, continuation, received_at, advice)
             response = sealed(response, fingerprint, committed_digest)
             session.commit(committed, committed_digest, fingerprint, response)
             session.advised_draft_length = advice
-            self._keep_decoding_ahead(session, decoder)
         self.metrics.advised_draft_length.observe(advice)
         if request.prefix_length == 0:
             self.metrics.prompt_tokens.inc(len(context))
         self._evict(keep=session.session_id)
         return response
 
-    def _allowances(self, request: VerifyRequest) -> tuple[int, int]:
-        """The tokens a call may be continued by and decoded ahead by, within the verifier's limit."""
-        limit = self.limits.max_continued_tokens
-        return min(request.max_continued_tokens, limit), min(request.max_ahead_tokens, limit)
-
     def _advice(self, session_id: str) -> int:
         advised = self.backend.advised_draft_length(session_id)
         return self.limits.max_draft_length if advised is None else advised
 
-    async def continued(
-        self,
-        session: Session,
-        block: BlockToVerify,
-        committed: list[int],
-        max_tokens: int,
-        max_ahead: int = 0,
-        decoder: SessionDecoder | None = None,
-    ) -> tuple[Continuation, SessionDecoder | None]:
+    async def continued(self, session: Session, block: BlockToVerify, committed: list[int], max_tokens: int) -> Continuation:
         """Target-only steps of ``session`` after its committed context, while the backend's
         advice for it stays 0 (no drafted row pays), at most ``max_tokens``, through an
-        end-of-sequence token, within the context limit: from ``decoder`` where the call took one
-        over, else from a new one (``continuation``). Each step is the call a block-less verify
-        call would make (the same scheduler, cache and seeded draws), so the tokens are exactly
-        those. A step that fails ends the continuation: what came before it stands. Returns the
-        steps' tokens, and the decoder where it goes on ``max_ahead`` steps for the session's
-        next call (it got all ``max_tokens`` and may go on), else None."""
+        end-of-sequence token, within the context limit. Each step is the call a block-less
+        verify call would make (the same scheduler, cache and seeded draws), so the tokens are
+        exactly those. A step that fails ends the continuation: what came before it stands."""
         continuation = Continuation()
-        room = self.backend.model.room(len(committed))
-        max_tokens = min(max_tokens, room)
-        if max_tokens <= 0 or not self._reserved(session, len(committed) + max_tokens + max_ahead):
-            if decoder is not None:
-                self._discard(decoder.cancel())
-            return continuation, None
-        if decoder is None:
-            decoder = SessionDecoder(
-                self.backend, block, committed, lambda: self._advice(session.session_id) == 0, self.backend.model.eos_token_ids, room
-            )
-        decoder.allow(max_tokens + max_ahead)  # the steps ahead follow the call's own without a pause
+        max_tokens = min(max_tokens, self.backend.model.room(len(committed)))
+        if max_tokens <= 0:
+            return continuation
+        context = list(committed)
         try:
-            for verdict in await decoder.take(max_tokens):
+            self._release(self.sessions.reserve(session, len(committed) + max_tokens), retain=False)
+        except OverloadedError:
+            return continuation  # no room to grow the cache now: the edge's next call asks again
+        try:
+            while len(continuation.token_ids) < max_tokens:
+                step = replace(block, context_token_ids=context, draft_token_ids=[], draft_probs=None, continued_step=True)
+                try:
+                    verdict = await self.backend.verify_block(step)
+                except Exception:  # the verdict already answered stands; the next call goes on
+                    logger.warning(
+                        "session %s: continuing failed after %d tokens", session.session_id, len(continuation.token_ids), exc_info=True
+                    )
+                    break
                 self.metrics.observe_forward(verdict)
                 self.metrics.continued_tokens.inc()
-                continuation.add(verdict)
-        except BaseException:  # the caller went away: the decoding stops with it
-            self._discard(decoder.cancel())
-            raise
+                continuation.token_ids.append(verdict.next_token_id)
+                continuation.logprobs += verdict.logprobs or []
+                continuation.top_logprobs += verdict.top_logprobs or []
+                continuation.num_target_tokens += verdict.num_target_tokens
+                continuation.forward_s += verdict.forward_s
+                context.append(verdict.next_token_id)
+                if verdict.next_token_id in self.backend.model.eos_token_ids or self._advice(session.session_id) > 0:
+                    break
         finally:
             session.reserved_tokens = 0
-        if max_ahead > 0 and len(continuation.token_ids) == max_tokens and not decoder.has_ended:
-            return continuation, decoder
-        self._discard(decoder.cancel())
-        return continuation, None
-
-    async def _decoder_continued_by(self, session: Session, request: VerifyRequest, block: BlockToVerify) -> SessionDecoder | None:
-        """The session's decoder that went on after its last call, if ``block`` continues it
-        (then the steps it decoded ahead are the call's own, and it goes on for the call's next
-        token, continued tokens and steps ahead); any other is stopped, its steps discarded."""
-        decoder = self._decoders.pop(session.session_id, None)
-        session.ahead_tokens = 0
-        if decoder is None:
-            return None
-        if decoder.continues(block):
-            self.metrics.ahead_tokens.inc(decoder.num_ahead)
-            allowed, ahead = self._allowances(request)
-            decoder.allow(1 + allowed + ahead)
-            return decoder
-        self._discard(await decoder.stop())
-        return None
-
-    async def _verdict(self, block: BlockToVerify, decoder: SessionDecoder | None) -> tuple[BlockVerdict, SessionDecoder | None]:
-        """The verdict on ``block``: the decoder's next step where the call took one over (a
-        block-less call: its verdict is that step's), else the backend's; and the decoder, if
-        it goes on for the call."""
-        if decoder is not None:
-            try:
-                taken = await decoder.take(1)
-            except BaseException:
-                self._discard(decoder.cancel())
-                raise
-            if taken:
-                return taken[0], decoder
-            self._discard(decoder.cancel())  # it stopped without a step (a failure): the call runs its own
-        return await self.backend.verify_block(block), None
-
-    def _reserved(self, session: Session, num_tokens: int) -> bool:
-        """Whether the session's cache may grow to ``num_tokens`` now (idle sessions evicted to
-        make room); without room the edge's next call asks again."""
-        try:
-            self._release(self.sessions.reserve(session, num_tokens), retain=False)
-        except OverloadedError:
-            return False
-        return True
-
-    def _keep_decoding_ahead(self, session: Session, decoder: SessionDecoder | None) -> None:
-        if decoder is None:
-            return
-        self._decoders[session.session_id] = decoder
-        session.ahead_tokens = decoder.limit - decoder.num_taken
-
-    def _discard(self, verdicts: list[BlockVerdict]) -> None:
-        """Steps decoded ahead that no call took: forwards run, tokens never emitted."""
-        for verdict in verdicts:
-            self.metrics.observe_discarded(verdict)
-
-    def stop_decoding(self, session_ids: list[str] | None = None) -> None:
-        """Stop the decoders of these sessions (all: None), discarding what they decoded ahead."""
-        for session_id in list(self._decoders) if session_ids is None else session_ids:
-            decoder = self._decoders.pop(session_id, None)
-            if decoder is not None:
-                self._discard(decoder.cancel())
+        return continuation
 
     def _cut_to_advice(
         self, session: Session, draft_tokens: list[int], draft_probs: torch.Tensor | None
@@ -247,7 +186,6 @@ class VerifierService:
     def end_session(self, session_id: str, owner: str = "") -> SessionDeleted:
         """Another owner's session is left alone (``deleted: false``, as for an unknown one)."""
         owned_id = owned_session_id(owner, session_id)
-        self.stop_decoding([owned_id])
         deleted = self.sessions.remove(owned_id)
         self.backend.release_session(owned_id)
         self.metrics.sessions.set(len(self.sessions))
@@ -366,7 +304,6 @@ class VerifierService:
 
     def _release(self, session_ids: list[str], retain: bool = True) -> None:
         """``retain``: False for sessions evicted to make room (their memory is what is wanted)."""
-        self.stop_decoding(session_ids)
         for session_id in session_ids:
             self.backend.release_session(session_id, retain)
         self.metrics.sessions.set(len(self.sessions))

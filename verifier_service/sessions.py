@@ -33,13 +33,10 @@ class Session:
     """Tokens the call in flight will hold in the cache (its context + block), while it runs."""
     advised_draft_length: int | None = None
     """What the last answer advised: a longer next block is cut to it."""
-    ahead_tokens: int = 0
-    """Tokens its cache may hold past the committed ones, decoded ahead of its next call
-    (``continuation``): the session is evicted as an idle one, its decoder stopped."""
 
     @property
     def num_cached_tokens(self) -> int:
-        return max(len(self.token_ids) + self.ahead_tokens, self.reserved_tokens)
+        return max(len(self.token_ids), self.reserved_tokens)
 
     def matches(self, prefix_length: int, prefix_digest: str) -> bool:
         return len(self.token_ids) == prefix_length and self.digest == prefix_digest

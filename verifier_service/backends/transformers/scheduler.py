@@ -91,10 +91,6 @@ GAP_DECAY = 0.7
 TYPICAL_GAP_DECAY = 0.9
 """The same for the gap of all sessions together (a session's guess until it has gaps of its own)."""
 HOLD_RULES = ("cost", "fraction")
-HANDOFF_YIELDS = 3
-"""Turns of the event loop the scheduler gives, after answering a forward, before it plans the
-next: a continued session's next step is submitted within them (its decoder resumes, or the call
-its answer woke starts one: ``verifier_service.continuation``), so it joins the next forward."""
 
 
 @dataclass(frozen=True)
@@ -399,8 +395,7 @@ class Scheduler:
             # The sessions just answered that their service continues submit their next steps
             # now, in time for the next forward (else it starts without them whenever another
             # call is queued, and they miss every other forward).
-            for _ in range(HANDOFF_YIELDS):
-                await asyncio.sleep(0)
+            await asyncio.sleep(0)
             gather_started = time.perf_counter()
             await self._gather()
             self._drop_abandoned()
