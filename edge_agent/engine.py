@@ -271,7 +271,9 @@ class SpeculativeEngine:
         falls back to the draft (never for a request that asked for logprobs: the draft's tokens
         have no target logprob)."""
         request = generation.request
-        max_continued = continued_allowance(self._options.max_continued_tokens, generation.num_left, len(block.token_ids))
+        max_continued = continued_allowance(
+            self._options.max_continued_tokens, generation.num_left, len(block.token_ids), brings_first_token=generation.num_generated == 0
+        )
         try:
             return await generation.verifier_session.verify(
                 generation.context, block, request.sampling, request.num_top_logprobs, max_continued
@@ -321,10 +323,15 @@ def committed_tokens(block: DraftBlock, call: VerifyCall | None) -> list[int]:
     return block.token_ids[: verdict.num_accepted] + [verdict.next_token] + verdict.continued_tokens
 
 
-def continued_allowance(max_continued_tokens: int, num_left: int, num_drafted: int) -> int:
+def continued_allowance(max_continued_tokens: int, num_left: int, num_drafted: int, brings_first_token: bool = False) -> int:
     """How many tokens a call lets the verifier continue with: the setting, within what the
     budget leaves after the block's best case (its drafts and the next token). Example: 10
-    left, a block of 0 -> up to 9 (with the setting at 8: 8); a block of 4 -> 5."""
+    left, a block of 0 -> up to 9 (with the setting at 8: 8); a block of 4 -> 5. None for the
+    call that brings the request's first token: that token reaches the caller as soon as the
+    target has it, where a saturated verifier would first continue the call by the allowance
+    (8 forwards later: the time to first token above target-only's)."""
+    if brings_first_token:
+        return 0
     return max(0, min(max_continued_tokens, num_left - num_drafted - 1))
 
 

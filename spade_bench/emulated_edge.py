@@ -176,7 +176,9 @@ class EmulatedEdge:
                 await sleep(self._think_s(num_drafted, len(run.calls), time.perf_counter() - first_sent_at) + self.rtt_s)
                 first_sent_at = first_sent_at or time.perf_counter()
                 block = drafted_block(self.trace, position, num_drafted)
-                max_continued = continued_allowance(self.policy.max_continued_tokens, target_length - position, num_drafted)
+                max_continued = continued_allowance(
+                    self.policy.max_continued_tokens, target_length - position, num_drafted, brings_first_token=not run.calls
+                )
                 record, payload = await self._call(client, run, position, block, max_continued)
                 if payload is None:
                     break

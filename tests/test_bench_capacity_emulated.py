@@ -220,6 +220,12 @@ def test_an_edge_caps_its_blocks_at_the_advice():
     assert (run.tokens, run.num_mismatches, sum(call.is_cut for call in run.calls)) == (len(OUTPUT), 0, 0)
 
 
+def test_an_edge_lets_the_verifier_continue_every_call_but_the_one_bringing_the_first_token():
+    _, calls = run_stub(EdgePolicy(5, follows_advice=True, max_continued_tokens=4), advice=2)
+    # The first token goes out at once; then within the budget: 9 left, a block of 2 -> 4; 6 -> 3; 3 -> 0.
+    assert [call["max_continued_tokens"] for call in calls] == [0, 4, 3, 0]
+
+
 def test_a_verdict_on_a_cut_block_is_exact_and_counted_as_cut():
     run, calls = run_stub(EdgePolicy(5), advice=2)  # the edge ignores the advice; the stub cuts to 2
     assert [len(call["draft_tokens"]) for call in calls] == [0, 5, 5, 2]  # the last block: the budget's rest

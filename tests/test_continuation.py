@@ -228,6 +228,7 @@ def test_the_allowance_stays_within_the_requests_budget():
     assert continued_allowance(8, 10, 4) == 5
     assert continued_allowance(8, 1, 0) == 0
     assert continued_allowance(0, 10, 0) == 0
+    assert continued_allowance(8, 10, 0, brings_first_token=True) == 0  # the first token goes out at once
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-line", "overlap"])
@@ -238,11 +239,11 @@ async def test_a_saturated_verifier_serves_the_edge_several_tokens_a_call(overla
     )
     tokens, stats = await generate(engine, 20)
     assert tokens == target_continuation(PROMPT, 20)
-    # The prompt-only call (no advice yet, continued all the same by this saturated verifier): 1 + 8
-    # tokens; then 1 + 8; then the 2 left: 1 + 1. Each call allows only what the budget leaves.
-    assert verifier.allowed_continuations == [8, 8, 1]
-    assert (stats.verify_calls, stats.continued_tokens) == (3, 17)
-    assert f"spade_edge_continued_tokens_total {17.0}" in metrics_text(metrics)
+    # The prompt-only call brings the first token and allows no continuation (the token goes out
+    # at once); then 1 + 8, 1 + 8, and the 1 left. Each call allows only what the budget leaves.
+    assert verifier.allowed_continuations == [0, 8, 8, 0]
+    assert (stats.verify_calls, stats.continued_tokens) == (4, 16)
+    assert f"spade_edge_continued_tokens_total {16.0}" in metrics_text(metrics)
 
 
 async def test_without_continuation_the_edge_allows_none():
