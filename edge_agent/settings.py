@@ -84,7 +84,8 @@ class EdgeSettings(ServiceSettings):
         description=(
             "Most tokens one verify call lets a saturated verifier decode on by itself (where it advises blocks of 0,"
             " so drafting does not pay): it answers them at once, one call per that many tokens instead of one per"
-            " token; they then reach the caller together. 0: one call per token."
+            " token; they then reach the caller together. The call that brings a request's first token allows none (that"
+            " token goes out at once). 0: one call per token."
         ),
     )
     verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
