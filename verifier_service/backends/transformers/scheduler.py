@@ -484,12 +484,13 @@ class Scheduler:
         alphas = {id(pace): pace.acceptance.alpha for pace in active if pace.drafts}
         prefill_rows = sum(max(0, self._need(call) - self.limits.max_block_rows) for call in self._queue)
         # Sessions that do not draft (target-only steps) feed one row a forward, like a prompt's chunk.
-        other_rows = min(prefill_rows, self.limits.max_forward_rows) + sum(not pace.drafts for pace in active)
+        num_stepping = sum(not pace.drafts for pace in active)
+        other_rows = min(prefill_rows, self.limits.max_forward_rows) + num_stepping
         lengths = advised_lengths(alphas, self._cost, other_rows, self.limits.max_draft_length)
         forwards_full = len(active) > self.limits.max_batch_sessions
         if forwards_full:  # the plan's forward, for continued sessions' departures
-            plan_rows, plan_tokens = plan_load(alphas, lengths, other_rows, sum(not pace.drafts for pace in active))
-            plan_price = row_price(self._cost, plan_rows, plan_tokens)
+            plan_rows, plan_tokens = plan_load(alphas, lengths, other_rows, num_stepping)
+            plan_forward_s, plan_price = self._cost.seconds(plan_rows), row_price(self._cost, plan_rows, plan_tokens)
         # Sessions that never drafted share their prior acceptance: one plan per forward, however
         # many target-only steps it answered.
         newcomer_lengths: dict[float, int] = {}
@@ -505,7 +506,7 @@ class Scheduler:
                     newcomer_lengths[alpha] = newcomer_length(alphas, alpha, self._cost, other_rows - 1, self.limits.max_draft_length)
                 pace.advice = newcomer_lengths[alpha]
             if pace.continued and forwards_full:  # leaving frees a place another session takes: the plan's frame
-                missed = forwards_missed(self._away.seconds(pace.advice), self._cost.seconds(plan_rows))
+                missed = forwards_missed(self._away.seconds(pace.advice), plan_forward_s)
                 if not departure_pays(alpha, pace.advice, missed, plan_price):
                     pace.advice = 0
             elif pace.continued:  # part of every forward: it leaves only for a block that pays for the time away
