@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from edge_agent.draft_length import parse_draft_length
-from spade_bench.capacity_levels import LevelSetup, measure_levels
+from spade_bench.capacity_levels import QUIET_PAUSE_S, LevelSetup, measure_levels
 from spade_bench.capacity_record import (
     RecordedSession,
     ThreadServer,
@@ -117,6 +117,8 @@ class CapacityConfig:
     rtt_ms: float = 20.0
     max_continued_tokens: int = 8
     """What the ``spade+continue`` edges' calls let the verifier continue."""
+    pause_s: float = QUIET_PAUSE_S
+    """The verifier's rest between levels, and before the prefill scenario."""
     user_tokens_per_s: float = 1.0
     placement: Placement = field(default_factory=Placement.default)
     verifier_args: tuple[str, ...] = ()
@@ -189,7 +191,7 @@ def run_capacity(config: CapacityConfig) -> CapacityRun:
     sessions = read_sessions(config.recording) if config.recording else record_phase(config)
     needs_traces = bool(set(EMULATED_MODES) & set(config.modes)) or config.prefill is not None
     run = CapacityRun(sessions)
-    setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy, config.max_continued_tokens)
+    setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy, config.max_continued_tokens, pause_s=config.pause_s)
     for batch in config.batch_sessions:
         with start_service(_verifier_spec(config, batch), config.startup_timeout_s) as verifier:
             if needs_traces:
@@ -198,6 +200,7 @@ def run_capacity(config: CapacityConfig) -> CapacityRun:
             label = f"-b{batch}" if len(config.batch_sessions) > 1 else ""
             run.rows += measure_levels(verifier, run.sessions, config.user_counts, config.modes, setup, label)
             if config.prefill is not None:
+                time.sleep(config.pause_s)
                 prefill = replace(config.prefill, rtt_s=setup.rtt_s, policy=config.edge_policy)
                 run.interference[batch] = asyncio.run(measure_interference(verifier.url, run.sessions, prefill))
     return run
@@ -304,6 +307,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=CapacityConfig.max_continued_tokens,
         help=f"what each call of spade+continue's edges lets the verifier continue (default {CapacityConfig.max_continued_tokens})",
     )
+    parser.add_argument(
+        "--level-pause-s",
+        type=float,
+        default=QUIET_PAUSE_S,
+        help=f"seconds the verifier rests between levels, so each starts unsaturated (default {QUIET_PAUSE_S:g})",
+    )
+    parser.add_argument(
+        "--edge-draft-ahead",
+        choices=("on", "off"),
+        default="on",
+        help="the emulated edges draft ahead under each call, as the real edge's defaults (default on)",
+    )
     parser.add_argument("--user-tokens-per-s", type=float, default=1.0, help="per-user speed target (default 1.0)")
     parser.add_argument(
         "--draft-length", default="8", help="the recording edge's --draft-length (default 8; spade/spade+advice do not depend on it)"
@@ -350,12 +365,13 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
         dtype=args.dtype,
         max_tokens=args.max_tokens or mix.get("max_tokens", 32),
         draft_length=args.draft_length,
-        edge_policy=EdgePolicy(draft_length, args.max_draft_length),
+        edge_policy=EdgePolicy(draft_length, args.max_draft_length, drafts_ahead=args.edge_draft_ahead == "on"),
         user_counts=args.users,
         modes=modes,
         batch_sessions=args.batch_sessions,
         rtt_ms=args.rtt_ms,
         max_continued_tokens=args.max_continued_tokens,
+        pause_s=args.level_pause_s,
         user_tokens_per_s=args.user_tokens_per_s,
         placement=Placement.default(args.threads),
         verifier_args=tuple(args.verifier_args),

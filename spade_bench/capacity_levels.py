@@ -12,7 +12,10 @@ Each user runs session k mod len(sessions). The verifier's /metrics are read bef
 the level's row (``capacity_report.level_row``) takes their difference. Every user's calls carry
 a ``cache_salt`` of their own: the verifier's prefix cache must not serve a prompt that an earlier
 level or mode prefilled (the same recorded prompts come back at every level), or the mode run
-second would skip prefills the first paid for.
+second would skip prefills the first paid for. Nor may a level inherit the load of the one
+before: the verifier judges its saturation over the last few seconds, so levels are
+``LevelSetup.pause_s`` apart (``QUIET_PAUSE_S`` for the benchmark), and each starts from a quiet
+verifier, as target-only's users do.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from spade_bench.capacity_report import (
 )
 from spade_bench.emulated_edge import EdgePolicy, EmulatedEdge, EmulatedRun
 from spade_bench.services import Service, parse_prometheus
+from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
+
+QUIET_PAUSE_S = 2 * BUSY_WINDOW_S
+"""A pause after which the verifier's busy fraction has decayed to about a tenth (its saturation
+is judged over an exponential window of BUSY_WINDOW_S): a level after it starts unsaturated."""
 
 METRIC_NAMES = (
     "process_cpu_seconds_total",
@@ -72,6 +80,8 @@ class LevelSetup:
     max_continued_tokens: int = 8
     """What each call of ``spade+continue``'s edges allows the verifier to continue."""
     timeout_s: float = 1800.0
+    pause_s: float = 0.0
+    """Seconds the verifier rests between two levels (``measure_levels``)."""
 
 
 # --- users ------------------------------------------------------------------------------------
@@ -228,9 +238,11 @@ def measure_levels(
     setup: LevelSetup,
     label: str = "",
 ) -> list[LevelRow]:
-    rows = []
+    rows: list[LevelRow] = []
     for num_users in user_counts:
         for mode in modes:
+            if rows:
+                time.sleep(setup.pause_s)  # the level before must not leave the verifier saturated
             level = run_level(verifier.url, mode, sessions, num_users, setup, cpu_seconds=verifier.tree_cpu_seconds)
             users, delta = asyncio.run(level)
             row = level_row(mode + label, users, delta)

@@ -16,6 +16,16 @@ only for what of it outlasted the first call. Every verdict is checked against y
 mismatches); a verdict may accept only a prefix of the block when the verifier cut it to its
 advice, and its ``context_length`` then says so.
 
+Like the real edge (``--overlap``, ``--edge-power performance``, its defaults), an emulated edge
+drafts ahead while each call is in flight (``drafted_ahead``): the draft's guess of the target's
+next token, then the next block, one draft forward each (the first, under the prompt-only call,
+is the draft's prefill). Where the verdict runs through the guess (a hit), the tokens after it
+start the next block; hit or miss, the forward still running when the verdict landed is waited
+for first:
+
+    block [5, 9] at 0, the call in flight 3.5 draft forwards -> [g, a1, a2] drafted, a3 running
+    verdict "2 accepted, next g"  ->  the next block starts with [a1, a2, a3] after 0.5 forwards
+
 An edge with ``max_continued_tokens`` lets a saturated verifier continue its session by itself
 (the wire's continuation, as the real edge's ``--max-continued-tokens``): the verdict's
 ``continued_tokens`` are checked against y too, and the next call starts after them.
@@ -27,6 +37,8 @@ call's outcome), capped, when the edge follows advice, by the verdict's
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,6 +48,7 @@ import httpx
 
 from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy, draft_length_policy
 from edge_agent.engine import continued_allowance
+from edge_agent.generation import draft_length
 from spade_bench.draft_trace import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, WireSampling, context_digest
 
@@ -54,15 +67,21 @@ class EdgePolicy:
     max_continued_tokens: int = 0
     """Each call lets a saturated verifier continue this many tokens by itself (the edge's
     ``--max-continued-tokens``); 0: none."""
+    drafts_ahead: bool = True
+    """Draft ahead under every call (the real edge's defaults, ``--overlap`` with ``--edge-power
+    performance``); False: draft each block only once the last verdict is in."""
 
     def build(self) -> DraftLengthPolicy:
-        """A fresh service-wide policy: every emulated edge is a box of its own."""
-        return draft_length_policy(self.draft_length, self.max_draft_length)
+        """A fresh service-wide policy: every emulated edge is a box of its own. Its speed model
+        counts drafting as hidden under the calls where the edge drafts ahead under every call,
+        as the real edge's settings choose it."""
+        return draft_length_policy(self.draft_length, self.max_draft_length, self.drafts_ahead)
 
     @property
     def label(self) -> str:
         continues = f" + continue {self.max_continued_tokens}" if self.max_continued_tokens else ""
-        return f"{self.draft_length}" + (" + advice" if self.follows_advice else "") + continues
+        ahead = "" if self.drafts_ahead else " (not drafting ahead)"
+        return f"{self.draft_length}" + (" + advice" if self.follows_advice else "") + continues + ahead
 
 
 @dataclass(frozen=True)
@@ -80,6 +99,8 @@ class CallRecord:
     advised: int | None
     num_continued: int = 0
     """Tokens the verifier continued with after the call's next token."""
+    num_ready: int = 0
+    """Of the block, the leading tokens drafted ahead under the call before (a hit)."""
 
     @property
     def is_cut(self) -> bool:
@@ -135,6 +156,75 @@ def verdict_error(trace: DraftTrace, position: int, block: list[int], verdict: V
     return None
 
 
+@dataclass(frozen=True)
+class DraftedAhead:
+    """What drafting ahead under one call leaves for the next block."""
+
+    num_drafted: int
+    """Tokens drafted ahead, the forward running when the verdict landed included."""
+    num_ready: int
+    """Of them, those after the committed context: the next block's first tokens (0: a miss)."""
+    settle_s: float
+    """What was left of the forward running when the verdict landed: the next block waits for it."""
+
+
+NOTHING_AHEAD = DraftedAhead(0, 0, 0.0)
+
+
+def ahead_limit(chosen: int, num_left: int, num_drafted: int, advice: int | None) -> int:
+    """Tokens worth drafting ahead under a call with a block of ``num_drafted``, ``num_left``
+    tokens left, as the real edge counts them (``engine.SpeculativeEngine._ahead_limit``): the guess,
+    then the block ``chosen`` would make after a hit, within the budget and the advice; none
+    where a hit ends the request or the verifier advised no block (the next call carries none).
+    Example: 10 left, a block of 4, chosen 5 -> the guess + 4."""
+    num_left_after_hit = num_left - (num_drafted + 1)
+    if num_left_after_hit <= 0 or advice == 0:
+        return 0
+    if num_left_after_hit - 1 < 1:
+        return 1
+    return 1 + draft_length(chosen, num_left_after_hit, sys.maxsize, advice)
+
+
+def drafted_ahead(
+    trace: DraftTrace,
+    position: int,
+    num_drafted: int,
+    num_accepted: int,
+    num_emitted: int,
+    window_s: float,
+    limit: int,
+    first_forward_s: float,
+) -> DraftedAhead:
+    """What the draft drafted past a block of ``num_drafted`` at ``position`` while its call was
+    in flight for ``window_s`` (the link's round trip and the verifier's answer), at most
+    ``limit`` tokens, one draft forward each (the first takes ``first_forward_s``: the draft's
+    prefill under the prompt-only call), and which of them start the next block. The verdict
+    committed ``num_emitted`` tokens (accepted, next, continued). A forward running when the
+    verdict lands is finished and its token kept (the drafting thread cannot be interrupted).
+
+    A hit (``draft_ahead.DraftAhead.is_continued_by``): the whole block accepted and everything
+    committed after it equal to what was drafted ahead, which is the draft's own proposals there
+    (fed the target's tokens, as the trace's are). The tokens after the committed ones are the
+    proposals at the next position on: ``drafted_block``'s first tokens there."""
+    if limit < 1:
+        return NOTHING_AHEAD
+    per_token_s = trace.draft_s_per_token
+    if window_s < first_forward_s:
+        finished = 0
+    elif per_token_s <= 0:
+        finished = limit
+    else:
+        finished = min(limit, 1 + math.floor((window_s - first_forward_s) / per_token_s))
+    settle_s = 0.0 if finished == limit else first_forward_s + finished * per_token_s - window_s
+    num_ahead = min(limit, finished + 1)
+    is_hit = (
+        num_accepted == num_drafted
+        and num_drafted < num_emitted <= num_drafted + num_ahead
+        and leading_matches(trace, position, num_emitted) == num_emitted
+    )
+    return DraftedAhead(num_ahead, num_drafted + num_ahead - num_emitted if is_hit else 0, settle_s)
+
+
 def advised_length(payload: dict) -> int | None:
     """The verdict's advice, read defensively: absent or not a non-negative int -> no cap."""
     value = payload.get(ADVICE_FIELD)
@@ -164,22 +254,25 @@ class EmulatedEdge:
         run = into if into is not None else EmulatedRun(f"emu-{uuid.uuid4().hex[:12]}", time.perf_counter())
         run.started_at = time.perf_counter()
         policy = self.policy.build().for_request()
-        position, advice, first_sent_at = 0, None, 0.0
+        position, advice, first_sent_at, ahead = 0, None, 0.0, None
         target_length = len(self.trace.target_token_ids)
         try:
             while position < target_length and run.num_mismatches == 0:
                 is_first = not run.calls
                 chosen = policy.next_length()
-                num_drafted = (
-                    0 if is_first else block_length(chosen, target_length - position, advice if self.policy.follows_advice else None)
-                )
-                await sleep(self._think_s(num_drafted, len(run.calls), time.perf_counter() - first_sent_at) + self.rtt_s)
+                followed: int | None = advice if self.policy.follows_advice else None
+                num_drafted = 0 if is_first else block_length(chosen, target_length - position, followed)
+                num_ready = 0 if ahead is None else min(num_drafted, ahead.num_ready)
+                await sleep(self._think_s(num_drafted, len(run.calls), time.perf_counter() - first_sent_at, ahead) + self.rtt_s)
                 first_sent_at = first_sent_at or time.perf_counter()
                 block = drafted_block(self.trace, position, num_drafted)
                 max_continued = continued_allowance(
                     self.policy.max_continued_tokens, target_length - position, num_drafted, brings_first_token=not run.calls
                 )
-                record, payload = await self._call(client, run, position, block, max_continued)
+                limit = (
+                    ahead_limit(policy.next_length(), target_length - position, num_drafted, followed) if self.policy.drafts_ahead else 0
+                )
+                record, payload = await self._call(client, run, position, block, max_continued, num_ready)
                 if payload is None:
                     break
                 verdict = VerifyResponse.model_validate(payload)
@@ -188,25 +281,36 @@ class EmulatedEdge:
                 run.ttft_s = run.ttft_s if run.ttft_s is not None else record.answered_at - run.started_at
                 advice = record.advised
                 policy.observe(self._outcome(record, verdict, drafted_before=len(run.calls) > 2))
-                position += verdict.num_accepted + 1 + len(verdict.continued_tokens)
+                num_emitted = verdict.num_accepted + 1 + len(verdict.continued_tokens)
+                window_s = record.answered_at - record.sent_at + self.rtt_s
+                first_forward_s = self.trace.draft_prefill_s if is_first else self.trace.draft_s_per_token
+                drafted = drafted_ahead(
+                    self.trace, position, num_drafted, verdict.num_accepted, num_emitted, window_s, limit, first_forward_s
+                )
+                ahead = drafted if limit else None
+                position += num_emitted
                 run.tokens = min(position, target_length)
         finally:
             run.finished_at = time.perf_counter()
             await client.delete(f"/v1/sessions/{run.session_id}")
         return run
 
-    def _think_s(self, num_drafted: int, num_calls: int, since_first_call_s: float) -> float:
-        """The edge's time before a call: tokenizing before the first; drafting before the
-        others, plus for the second what of the draft's prefill outlasted the first call."""
+    def _think_s(self, num_drafted: int, num_calls: int, since_first_call_s: float, ahead: DraftedAhead | None) -> float:
+        """The edge's time before a call: tokenizing before the first; before the others, the
+        forward drafting ahead was still running when the last verdict landed, then the block's
+        tokens not drafted ahead. Without drafting ahead under the last call: its drafting,
+        plus for the second call what of the draft's prefill outlasted the first call."""
         if num_calls == 0:
             return self.first_call_think_s
+        if ahead is not None:
+            return ahead.settle_s + max(0, num_drafted - ahead.num_ready) * self.trace.draft_s_per_token
         drafting_s = num_drafted * self.trace.draft_s_per_token
         if num_calls == 1:
             drafting_s += max(0.0, self.trace.draft_prefill_s - since_first_call_s)
         return drafting_s
 
     async def _call(
-        self, client: httpx.AsyncClient, run: EmulatedRun, position: int, block: list[int], max_continued_tokens: int
+        self, client: httpx.AsyncClient, run: EmulatedRun, position: int, block: list[int], max_continued_tokens: int, num_ready: int = 0
     ) -> tuple[CallRecord, dict | None]:
         committed = self.trace.prompt_token_ids + self.trace.target_token_ids[:position]
         known = 0 if not run.calls else len(committed)  # the verifier appended every earlier verdict itself
@@ -240,6 +344,7 @@ class EmulatedEdge:
             timings["total_ms"],
             advised_length(payload),
             len(payload.get("continued_tokens", [])),
+            num_ready,
         )
         run.calls.append(record)
         return record, payload

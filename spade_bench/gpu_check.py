@@ -316,6 +316,7 @@ def run_check(config: CheckConfig) -> dict:
     from spade_bench.emulated_edge import EdgePolicy
     from spade_bench.prefill_interference import InterferenceSetup, interference_table, measure_interference
     from spade_bench.services import start_service
+    from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
     step = _stepper(time.perf_counter())
@@ -339,7 +340,9 @@ def run_check(config: CheckConfig) -> dict:
         step("verifier started")
         sessions = asyncio.run(synthetic_sessions(config, verifier.url, build_tokenizer(config.shape["vocab_size"])))
         step("target outputs generated")
-        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16))
+        # Levels a busy window apart: the next starts unsaturated (a shorter pause than the CPU
+        # benchmark's, for the GPU's short lease).
+        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pause_s=BUSY_WINDOW_S)
         asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
         # Edges ignoring the advice (Run K's "spade" rows) are left out for continuation's: the GPU's time is short.
         rows = measure_levels(verifier, sessions, config.users, (TARGET, ADVICE, CONTINUE), setup)

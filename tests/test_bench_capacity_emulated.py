@@ -11,11 +11,12 @@ import asyncio
 import httpx
 import pytest
 from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
 
 from capacity_support import MAX_TOKENS
 from servers import serve
-from spade_bench.capacity_levels import LevelSetup, run_level
-from spade_bench.capacity_record import RecordedCall
+from spade_bench.capacity_levels import QUIET_PAUSE_S, LevelSetup, measure_levels, run_level
+from spade_bench.capacity_record import RecordedCall, RecordedSession
 from spade_bench.capacity_report import (
     ADVICE,
     MODEL_FORWARDS,
@@ -30,8 +31,18 @@ from spade_bench.capacity_report import (
     markdown_table,
 )
 from spade_bench.draft_trace import DraftTrace, edge_drafter, recorded_output, recorded_prompt, trace_sessions
-from spade_bench.emulated_edge import EdgePolicy, EmulatedEdge, drafted_block, leading_matches
+from spade_bench.emulated_edge import (
+    NOTHING_AHEAD,
+    DraftedAhead,
+    EdgePolicy,
+    EmulatedEdge,
+    ahead_limit,
+    drafted_ahead,
+    drafted_block,
+    leading_matches,
+)
 from spade_bench.prefill_interference import InterferenceSetup, measure_interference
+from verifier_service.backends.transformers.advice import BusyFraction, Saturation
 
 
 @pytest.fixture(scope="module")
@@ -198,18 +209,27 @@ def stub_verifier(advice: int | None, calls: list[dict], wrong_at: int | None = 
     return app
 
 
-def run_stub(policy: EdgePolicy, advice: int | None, wrong_at: int | None = None):
-    """An emulated edge whose draft proposes the target's every token, against the stub."""
-    trace = DraftTrace(PROMPT, OUTPUT, list(OUTPUT), 0.0, 0.0)
+def run_stub(
+    policy: EdgePolicy,
+    advice: int | None,
+    wrong_at: int | None = None,
+    trace: DraftTrace | None = None,
+    rtt_s: float = 0.0,
+    slept: list[float] | None = None,
+):
+    """An emulated edge against the stub; by default its draft proposes the target's every token
+    and drafts in no time. ``slept``: filled with the edge's waits (none is really waited)."""
+    trace = trace or DraftTrace(PROMPT, OUTPUT, list(OUTPUT), 0.0, 0.0)
     calls: list[dict] = []
+    waits = slept if slept is not None else []
 
-    async def no_sleep(_seconds: float) -> None:
-        return None
+    async def no_sleep(seconds: float) -> None:
+        waits.append(seconds)
 
     async def go():
         transport = httpx.ASGITransport(app=stub_verifier(advice, calls, wrong_at))
         async with httpx.AsyncClient(transport=transport, base_url="http://stub") as client:
-            return await EmulatedEdge(trace, policy, 0.0).run(client, no_sleep)
+            return await EmulatedEdge(trace, policy, rtt_s).run(client, no_sleep)
 
     return asyncio.run(go()), calls
 
@@ -245,10 +265,146 @@ def test_a_wrong_verdict_is_a_mismatch():
     assert (run.num_mismatches, len(calls)) == (1, 2)
 
 
+# Drafting ahead under a call, as the real edge does by default.
+DRAFT_S = 0.01
+PREFILL_S = 0.05
+
+
+def test_the_tokens_drafted_ahead_start_the_next_block_on_a_hit():
+    """The docstring's example: block [5, 9] at 0, in flight 3.5 draft forwards, limit 5."""
+    trace = DraftTrace([1], [5, 9, 2, 7, 1, 8, 6], [5, 9, 2, 7, 1, 8, 6], DRAFT_S, PREFILL_S)
+    window = 3.5 * DRAFT_S
+    hit = drafted_ahead(trace, 0, 2, num_accepted=2, num_emitted=3, window_s=window, limit=5, first_forward_s=DRAFT_S)
+    assert (hit.num_drafted, hit.num_ready) == (4, 3)  # g = 2, then 7, 1 and the 8 still running
+    assert hit.settle_s == pytest.approx(0.5 * DRAFT_S)
+    continued = drafted_ahead(trace, 0, 2, 2, num_emitted=5, window_s=window, limit=5, first_forward_s=DRAFT_S)
+    assert continued.num_ready == 1  # the verifier continued with 7, 1: only the 8 is left
+    beyond = drafted_ahead(trace, 0, 2, 2, num_emitted=7, window_s=window, limit=5, first_forward_s=DRAFT_S)
+    assert beyond.num_ready == 0  # committed past what was drafted ahead
+    done = drafted_ahead(trace, 0, 2, 2, 3, window_s=1.0, limit=5, first_forward_s=DRAFT_S)
+    assert (done.num_drafted, done.num_ready, done.settle_s) == (5, 4, 0.0)  # all drafted before the verdict
+
+
+def test_nothing_drafted_ahead_is_used_on_a_miss_but_the_running_forward_is_waited_for():
+    trace = DraftTrace([1], [5, 9, 2, 7, 1], [5, 9, 4, 7, 1], DRAFT_S, PREFILL_S)  # the guess at 2 is wrong
+    window = 2.25 * DRAFT_S
+    wrong_guess = drafted_ahead(trace, 0, 2, num_accepted=2, num_emitted=3, window_s=window, limit=5, first_forward_s=DRAFT_S)
+    assert (wrong_guess.num_drafted, wrong_guess.num_ready) == (3, 0)
+    assert wrong_guess.settle_s == pytest.approx(0.75 * DRAFT_S)
+    rejected = drafted_ahead(trace, 0, 3, num_accepted=2, num_emitted=3, window_s=window, limit=5, first_forward_s=DRAFT_S)
+    assert rejected.num_ready == 0
+    cut = drafted_ahead(trace, 0, 2, num_accepted=1, num_emitted=2, window_s=window, limit=5, first_forward_s=DRAFT_S)
+    assert cut.num_ready == 0  # the verifier verified a prefix only: the guess was never tried
+    assert drafted_ahead(trace, 0, 2, 2, 3, window, limit=0, first_forward_s=DRAFT_S) == NOTHING_AHEAD
+
+
+def test_under_the_prompt_only_call_the_first_forward_ahead_is_the_drafts_prefill():
+    trace = DraftTrace([1], [5, 9, 2], [5, 9, 2], DRAFT_S, PREFILL_S)
+    early = drafted_ahead(trace, 0, 0, num_accepted=0, num_emitted=1, window_s=0.02, limit=3, first_forward_s=PREFILL_S)
+    assert early == DraftedAhead(1, 0, pytest.approx(PREFILL_S - 0.02))  # the guess, confirmed: nothing after it yet
+    later = drafted_ahead(trace, 0, 0, 0, 1, window_s=PREFILL_S + 1.5 * DRAFT_S, limit=3, first_forward_s=PREFILL_S)
+    assert (later.num_drafted, later.num_ready) == (3, 2)
+    assert later.settle_s == pytest.approx(0.5 * DRAFT_S)
+
+
+@pytest.mark.parametrize(
+    ("chosen", "num_left", "num_drafted", "advice", "expected"),
+    [
+        (5, 10, 4, None, 5),  # the guess + 4 (a hit leaves 5 tokens: a block of 4 and its next token)
+        (5, 20, 4, 2, 3),  # the guess + the advice
+        (5, 20, 4, 0, 0),  # advised no block: the next call carries none
+        (5, 6, 4, None, 1),  # a hit leaves one token: the guess alone
+        (5, 5, 4, None, 0),  # a hit ends the request
+        (5, 20, 0, None, 6),  # under the prompt-only call: the guess + a block of 5
+    ],
+)
+def test_the_edge_drafts_ahead_as_far_as_the_real_edge(chosen, num_left, num_drafted, advice, expected):
+    assert ahead_limit(chosen, num_left, num_drafted, advice) == expected
+
+
+def test_an_edge_drafting_ahead_sends_a_hit_block_after_the_round_trip_alone():
+    """A draft that proposes the target's every token hits every time: with a round trip long
+    enough to draft the next block under it, no call waits for drafting; without drafting ahead
+    each waits for its block (and the second for the draft's prefill)."""
+    trace = DraftTrace(PROMPT, OUTPUT, list(OUTPUT), DRAFT_S, PREFILL_S)
+    ahead_waits: list[float] = []
+    run, calls = run_stub(EdgePolicy(3), advice=None, trace=trace, rtt_s=1.0, slept=ahead_waits)
+    assert [len(call["draft_tokens"]) for call in calls] == [0, 3, 3, 1]
+    assert [call.num_ready for call in run.calls] == [0, 3, 3, 0]
+    # The round trip only (the first call's tokenizing is 0); under the third call, with one token
+    # left after a hit, the guess alone was drafted ahead (as the real edge), so the last block of 1
+    # is drafted in line.
+    assert ahead_waits == pytest.approx([1.0, 1.0, 1.0, 1.0 + DRAFT_S])
+    inline_waits: list[float] = []
+    run, _ = run_stub(EdgePolicy(3, drafts_ahead=False), advice=None, trace=trace, rtt_s=1.0, slept=inline_waits)
+    assert [call.num_ready for call in run.calls] == [0, 0, 0, 0]
+    assert inline_waits[2:] == pytest.approx([1.0 + 3 * DRAFT_S, 1.0 + DRAFT_S])
+    assert 1.0 + 3 * DRAFT_S < inline_waits[1] <= 1.0 + 3 * DRAFT_S + PREFILL_S
+    assert run.num_mismatches == 0
+
+
+def test_an_edge_drafting_ahead_drafts_a_missed_block_in_line():
+    proposals = list(OUTPUT)
+    proposals[4] = 0  # the guess under the second call (block [11, 12, 13] at 1; the target's next is 14)
+    trace = DraftTrace(PROMPT, OUTPUT, proposals, DRAFT_S, PREFILL_S)
+    waits: list[float] = []
+    run, calls = run_stub(EdgePolicy(3), advice=None, trace=trace, rtt_s=1.0, slept=waits)
+    assert [len(call["draft_tokens"]) for call in calls] == [0, 3, 3, 1]
+    assert [call.num_ready for call in run.calls] == [0, 3, 0, 0]
+    assert waits == pytest.approx([1.0, 1.0, 1.0 + 3 * DRAFT_S, 1.0 + DRAFT_S])
+    assert run.num_mismatches == 0
+
+
 def test_a_block_is_the_proposals_then_filler():
     trace = DraftTrace([1], [5, 9, 2, 7, 1], [5, 9, 4, 7, 3], 0.0, 0.0)
     assert (drafted_block(trace, 0, 4), leading_matches(trace, 0, 4)) == ([5, 9, 4, 7], 2)
     assert (drafted_block(trace, 3, 2), leading_matches(trace, 3, 2)) == ([7, 3], 1)
+
+
+# --- levels apart ----------------------------------------------------------------------------------
+
+
+def test_after_the_quiet_pause_a_saturated_verifier_is_no_longer_so():
+    """What the pause between levels is for: 20 s of back-to-back forwards of 0.25 s saturate
+    the verifier; after QUIET_PAUSE_S idle, its next forward finds it unsaturated (a level that
+    followed at once would start saturated)."""
+
+    def saturation_after(pause_s: float) -> bool:
+        busy, saturation, now = BusyFraction(), Saturation(), 0.0
+        while now < 20.0:
+            busy.observe(now, now + 0.25)
+            saturation.observe(busy.fraction)
+            now += 0.26
+        assert saturation.is_saturated
+        busy.observe(now + pause_s, now + pause_s + 0.25)
+        return saturation.observe(busy.fraction)
+
+    assert saturation_after(0.3)
+    assert not saturation_after(QUIET_PAUSE_S)
+
+
+def test_levels_are_the_pause_apart():
+    """measure_levels rests the verifier between levels: each level reads /metrics first and last."""
+    import time
+    from types import SimpleNamespace
+
+    app, metrics_read = FastAPI(), []
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> str:
+        metrics_read.append(time.perf_counter())
+        return "spade_verifier_forward_passes_total 0.0\n"
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete(session_id: str) -> dict:
+        return {"session_id": session_id, "deleted": True}
+
+    session = RecordedSession("empty", [], 1, 1, "")  # replays no call
+    with serve(app, ready_path=None) as url:
+        verifier = SimpleNamespace(url=url, tree_cpu_seconds=lambda: 0.0)
+        rows = measure_levels(verifier, [session], (1, 2), ("replay",), LevelSetup(pause_s=0.3))
+    assert len(rows) == 2 and len(metrics_read) == 4
+    assert metrics_read[2] - metrics_read[1] >= 0.3
 
 
 # --- the report -----------------------------------------------------------------------------------
@@ -312,7 +468,7 @@ def test_the_capacity_command_records_traces_and_reports_on_the_tiny_pair(tmp_pa
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     output = tmp_path / "out"
     command = [sys.executable, "-m", "spade_bench.capacity", "--quick", "--mix", "short", "--data", str(data), "--users", "1,2"]
-    command += ["--rtt-ms", "0", "--prefill-tokens", "200", "--prefill-sessions", "2", "--output", str(output)]
+    command += ["--rtt-ms", "0", "--prefill-tokens", "200", "--prefill-sessions", "2", "--level-pause-s", "1", "--output", str(output)]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads((output / "capacity.json").read_text())
