@@ -343,6 +343,16 @@ def test_blocks_go_first_and_a_long_prompt_gets_the_rest_of_the_row_budget_as_a_
     assert _planned(queue, max_forward_rows=MIN_CHUNK_ROWS + 9, max_block_rows=9) == [("a", 9), ("p", MIN_CHUNK_ROWS)]
 
 
+def test_a_long_prompt_keeps_a_place_among_as_many_blocks_as_a_forward_takes():
+    """Sessions the verifier continues are queued again the moment they are answered: with as
+    many of them as a forward takes, a prompt that came after them once got no place until one
+    ended (at N = 16 users its first token came 1.2-1.7x later than target-only's, p99)."""
+    queue = [_call(s, 2) for s in "abcdefgh"] + [_call("p", 300)]
+    assert _planned(queue, max_forward_rows=128, max_block_rows=9) == [(s, 2) for s in "abcdefg"] + [("p", 128 - 14)]
+    assert _planned(queue[:8], max_forward_rows=128, max_block_rows=9) == [(s, 2) for s in "abcdefgh"]  # no prompt: all eight
+    assert _planned(queue, max_forward_rows=128, max_block_rows=9, max_batch_sessions=1) == [("a", 2)]  # one call a forward
+
+
 def test_after_a_big_chunk_the_blocks_get_the_next_forward_nearly_to_themselves():
     queue = [_call("p", 300), _call("a", 9), _call("b", 9)]
     assert _planned(queue, max_forward_rows=64, max_block_rows=9) == [("a", 9), ("b", 9), ("p", 46)]

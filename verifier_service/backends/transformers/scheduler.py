@@ -12,8 +12,10 @@ Glossary:
 
 Each forward takes, in arrival order, every small call that fits (a session never has two calls
 in one forward), then gives what is left of the row budget to the oldest big calls as chunks;
-while a big call waits, ``MIN_CHUNK_ROWS`` of the budget are kept for it, so a long prompt always
-progresses and no block ever waits behind a whole prompt. After a forward that fed a big chunk,
+while a big call waits, ``MIN_CHUNK_ROWS`` of the budget and one of the forward's sessions are
+kept for it, so a long prompt always progresses (sessions the verifier continues come back the
+moment they are answered and would fill every place) and no block ever waits behind a whole
+prompt. After a forward that fed a big chunk,
 the next one gives prompts only ``MIN_CHUNK_ROWS`` when blocks wait: a block waits at most one
 chunk's forward (``max_forward_rows`` rows), and the prompt gets a big chunk every other forward.
 A call whose caller went away is dropped before it costs a row.
@@ -152,11 +154,12 @@ def plan_forward(
     needs = [need_of(call) for call in queue]
     waiting_big = any(need > limits.max_block_rows for need in needs)
     budget = limits.max_forward_rows - (MIN_CHUNK_ROWS if waiting_big else 0)
+    small_places = limits.max_batch_sessions - (1 if waiting_big and limits.max_batch_sessions > 1 else 0)
     shares: list[tuple[PendingCall, int]] = []
     sessions: set[str] = set()
     for call, need in zip(queue, needs, strict=True):
         is_first = not shares
-        if len(shares) == limits.max_batch_sessions or need > limits.max_block_rows or call.block.session_id in sessions:
+        if len(shares) == small_places or need > limits.max_block_rows or call.block.session_id in sessions:
             continue
         if need <= budget or is_first:
             shares.append((call, need))
