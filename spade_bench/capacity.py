@@ -6,8 +6,10 @@ same users.
                   then one teacher-forced pass of the edge's own drafter along each output keeps
                   the draft's proposals and its time per token (``draft_trace``)
     spade         N emulated edges at once (``emulated_edge``): each drafts any length from its
-                  session's trace with the edges' policy (--edge-draft-length), waits drafting
-                  time + the link's RTT before each real /v1/verify call, ignores the advice
+                  session's trace with the edges' policy (--edge-draft-length), waits its
+                  drafting (less what it drafted ahead under the last call, as the real edge,
+                  --edge-draft-ahead) + the link's RTT before each real /v1/verify call, ignores
+                  the advice
     spade+advice  the same, each block capped at the verifier's advised_draft_length
     spade+continue  the same, each call letting a saturated verifier (advice 0) continue up to
                   --max-continued-tokens tokens by itself (the real edge's default)

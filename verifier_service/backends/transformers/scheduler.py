@@ -15,9 +15,9 @@ in one forward), then gives what is left of the row budget to the oldest big cal
 while a big call waits, ``MIN_CHUNK_ROWS`` of the budget and one of the forward's sessions are
 kept for it, so a long prompt always progresses (sessions the verifier continues come back the
 moment they are answered and would fill every place) and no block ever waits behind a whole
-prompt. After a forward that fed a big chunk,
-the next one gives prompts only ``MIN_CHUNK_ROWS`` when blocks wait: a block waits at most one
-chunk's forward (``max_forward_rows`` rows), and the prompt gets a big chunk every other forward.
+prompt. After a forward that fed a big chunk, the next one gives prompts only ``MIN_CHUNK_ROWS``
+when blocks wait: a block waits at most one chunk's forward (``max_forward_rows`` rows), and the
+prompt gets a big chunk every other forward.
 A call whose caller went away is dropped before it costs a row.
 
 Holding (forwards that serve many sessions): the scheduler learns each session's gap between
