@@ -46,7 +46,7 @@ from edge_agent.draft_length import DraftLengthPolicy
 from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.edge_power import DraftAheadPolicy
-from edge_agent.generation import Generation, draft_length
+from edge_agent.generation import Generation, ahead_length, draft_length
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifyCall, wire_cache_salt
 from gateway.affinity import route_key
@@ -252,19 +252,12 @@ class SpeculativeEngine:
         return call
 
     def _ahead_limit(self, generation: Generation, num_drafted: int) -> int:
-        """Tokens worth drafting past the block while it is verified: the guess of the target's
-        next token, then the next block (``draft_length`` after a hit). Example: 10 tokens left,
-        a block of 4 -> at best 5 come back and 5 remain: the guess + 4. The prompt-only call
-        (a block of 0), 10 left, length 5 -> the guess + 5; drafting the guess is also the
-        draft's prefill of the prompt."""
-        num_left_after_hit = generation.num_left - (num_drafted + 1)
-        if not self._options.overlap or num_left_after_hit <= 0 or generation.verifier_advice == 0:
-            return 0  # (advised 0: the next call carries no block, nothing to draft for it)
+        """Tokens worth drafting past the block while it is verified (``ahead_length``); none
+        without ``--overlap``."""
+        if not self._options.overlap:
+            return 0
         room_after_hit = self.model.room(len(generation.context) + num_drafted + 1)
-        if min(num_left_after_hit - 1, room_after_hit) < 1:
-            return 1  # the guess alone: after it, the budget or the context takes no drafted token
-        chosen = generation.policy.next_length()
-        return 1 + draft_length(chosen, num_left_after_hit, room_after_hit, generation.verifier_advice)
+        return ahead_length(generation.policy.next_length(), generation.num_left, num_drafted, room_after_hit, generation.verifier_advice)
 
     async def _verify(self, generation: Generation, block: DraftBlock) -> VerifyCall | None:
         """The verdict and what the call cost; None when the verifier is unreachable and the edge

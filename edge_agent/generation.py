@@ -1,5 +1,6 @@
 """One request's speculative generation: the object the engine's loop hands from step to step
-(as nano-vllm hands a ``Sequence``), and the rule for the length of its next block.
+(as nano-vllm hands a ``Sequence``), and the rules for the length of its next block and of what
+is drafted ahead of it.
 
 Glossary: the *context* is the prompt and every committed token; a *block* is the drafted tokens
 one verify call checks; the verdict *commits* the accepted drafts and the target's next token;
@@ -32,6 +33,22 @@ def draft_length(chosen: int, num_left: int, room: int, verifier_advice: int | N
         return 0
     caps = [num_left - 1, room] if verifier_advice is None else [num_left - 1, room, verifier_advice]
     return max(1, min(chosen, *caps))
+
+
+def ahead_length(chosen: int, num_left: int, num_drafted: int, room_after_hit: int, verifier_advice: int | None = None) -> int:
+    """Tokens worth drafting past a block of ``num_drafted`` while it is verified, ``num_left``
+    tokens left: the guess of the target's next token, then the next block (``draft_length`` of
+    ``chosen`` after a hit, whose context has ``room_after_hit``); none where a hit ends the
+    request or the verifier advised 0 (the next call carries no block). Example: 10 tokens left,
+    a block of 4 -> at best 5 come back and 5 remain: the guess + 4. The prompt-only call (a
+    block of 0), 10 left, length 5 -> the guess + 5; drafting the guess is also the draft's
+    prefill of the prompt."""
+    num_left_after_hit = num_left - (num_drafted + 1)
+    if num_left_after_hit <= 0 or verifier_advice == 0:
+        return 0
+    if min(num_left_after_hit - 1, room_after_hit) < 1:
+        return 1  # the guess alone: after it, the budget or the context takes no drafted token
+    return 1 + draft_length(chosen, num_left_after_hit, room_after_hit, verifier_advice)
 
 
 @dataclass

@@ -48,7 +48,7 @@ import httpx
 
 from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy, draft_length_policy
 from edge_agent.engine import continued_allowance
-from edge_agent.generation import draft_length
+from edge_agent.generation import ahead_length
 from spade_bench.draft_trace import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, WireSampling, context_digest
 
@@ -172,17 +172,10 @@ NOTHING_AHEAD = DraftedAhead(0, 0, 0.0)
 
 
 def ahead_limit(chosen: int, num_left: int, num_drafted: int, advice: int | None) -> int:
-    """Tokens worth drafting ahead under a call with a block of ``num_drafted``, ``num_left``
-    tokens left, as the real edge counts them (``engine.SpeculativeEngine._ahead_limit``): the guess,
-    then the block ``chosen`` would make after a hit, within the budget and the advice; none
-    where a hit ends the request or the verifier advised no block (the next call carries none).
-    Example: 10 left, a block of 4, chosen 5 -> the guess + 4."""
-    num_left_after_hit = num_left - (num_drafted + 1)
-    if num_left_after_hit <= 0 or advice == 0:
-        return 0
-    if num_left_after_hit - 1 < 1:
-        return 1
-    return 1 + draft_length(chosen, num_left_after_hit, sys.maxsize, advice)
+    """Tokens worth drafting ahead under a call, as the real edge counts them
+    (``generation.ahead_length``), the context's room unbounded. Example: 10 left, a block of 4,
+    chosen 5 -> the guess + 4."""
+    return ahead_length(chosen, num_left, num_drafted, sys.maxsize, advice)
 
 
 def drafted_ahead(
