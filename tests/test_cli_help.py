@@ -225,7 +225,7 @@ def test_the_demo_drafts_as_a_default_edge_does_and_its_line_says_so(monkeypatch
 SERVICE_FLAGS = {
     "spade-verifier": (
         "model gguf-file served-model-name backend host port device dtype threads max-context-length max-draft-length "
-        "max-draft-support fast-kernels batch-invariant max-batch-sessions batch-wait-ms max-kv-cache-bytes max-sessions "
+        "max-draft-support fast-kernels cpu-kernel-isa batch-invariant max-batch-sessions batch-wait-ms max-kv-cache-bytes max-sessions "
         "max-session-tokens session-ttl-s vllm-block-size vllm-kv-cache-gib vllm-exact-route log-level"
     ),
     "spade-edge": (

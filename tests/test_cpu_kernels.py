@@ -108,11 +108,22 @@ def output_count(library, form: str, num_outputs: int) -> int:
 
 # --- the kernel -------------------------------------------------------------------------------
 
-SHAPES = [(1, 7, 5), (3, 13, 37), (9, 40, 64), (10, 41, 100), (17, 100, 130), (40, 33, 16), (2, 1, 1), (13, 70, 2100)]
+SHAPES = [
+    (1, 7, 5),
+    (3, 13, 37),
+    (6, 50, 77),
+    (9, 40, 64),
+    (10, 41, 100),
+    (12, 40, 1030),
+    (17, 100, 130),
+    (40, 33, 16),
+    (2, 1, 1),
+    (13, 70, 2100),
+]
 """(rows, outputs, inputs): K below, at and past the vector width and past the packed form's K
 block (1024), N with edge columns (the dot form) and with one to several panels and a last
-partial group of panels (the packed form, N rounded up to whole panels), M in one group and in
-several (with groups of two heights)."""
+partial group of panels (the packed form, N rounded up to whole panels), M in one group (up to
+the AVX2 build's 12 rows, its tallest one-pass tile) and in several (with groups of two heights)."""
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -129,7 +140,7 @@ def test_kernel_matches_a_float64_reference(library, form, num_rows, num_outputs
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("num_rows", [2, 3, 5, 8, 9, 10, 13, 16, 17, 40])
+@pytest.mark.parametrize("num_rows", [2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 16, 17, 40])
 def test_kernel_row_is_bitwise_the_same_alone_or_among_others(library, form, num_rows):
     generator = torch.Generator().manual_seed(num_rows)
     num_outputs, num_inputs = output_count(library, form, 75), 100 if form == "dot" else 1100
@@ -295,6 +306,42 @@ def test_the_kernel_compiles_without_a_warning(tmp_path, isa, openmp):
     assert (build.returncode, build.stderr) == (0, "")
 
 
+def innermost_loops(assembly: str) -> dict[str, list[list[str]]]:
+    """Per function of gcc/clang AT&T assembly, the bodies of its innermost loops: the lines from a
+    label to the backward jump to it, with no other backward jump inside."""
+    loops: dict[str, list[list[str]]] = {}
+    for function in re.finditer(r"^(\w+):\n(.*?)\.cfi_endproc", assembly, re.S | re.M):
+        lines = function.group(2).splitlines()
+        labels = {line.strip()[:-1]: index for index, line in enumerate(lines) if re.match(r"^\.L\w+:$", line.strip())}
+        backward = [
+            (labels[jump.group(1)], index)
+            for index, line in enumerate(lines)
+            if (jump := re.match(r"\s+j\w+\s+(\.L\w+)$", line)) and labels.get(jump.group(1), index) < index
+        ]
+        loops[function.group(1)] = [
+            lines[start:end]
+            for start, end in backward
+            if not any(start < inner < end for inner, _ in backward if (inner, _) != (start, end))
+        ]
+    return loops
+
+
+@pytest.mark.parametrize("isa", sorted(ISA_FLAGS))
+def test_every_tile_keeps_its_accumulators_in_registers(tmp_path, isa):
+    """No vector register goes to the stack inside a tile's loop over k: a spilled accumulator is
+    stored and reloaded on every k, and the tile runs at a fraction of its speed. (gcc 12 did this
+    to every AVX2 packed tile while their broadcasts went through _mm256_broadcast_ss.)"""
+    assembly = tmp_path / "kernel.s"
+    command = compile_command(system_compiler(), ISA_FLAGS[isa], str(assembly), openmp=True)
+    command = [argument for argument in command if argument not in ("-shared", "-fPIC")] + ["-S"]
+    subprocess.run(command, check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+    loops = {name: bodies for name, bodies in innermost_loops(assembly.read_text()).items() if re.match(r"(tile|panels)_\d+x\d+$", name)}
+    fma_loops = {name: [body for body in bodies if any("vfmadd" in line for line in body)] for name, bodies in loops.items()}
+    assert len(fma_loops) >= 15 and all(fma_loops.values())  # every tile shape, each with its k loop found
+    spilling = {name for name, bodies in fma_loops.items() for body in bodies for line in body if "(%rsp)" in line and "mm" in line}
+    assert spilling == set()
+
+
 def test_the_kernel_exports_exactly_what_the_python_side_calls(library):
     """No unused export: the library's defined functions are the ``library.spade_*`` the loader
     binds and calls."""
@@ -320,11 +367,39 @@ def test_the_default_batch_invariance_needs_the_compiled_kernel(tiny_pair, libra
     def fresh_model():
         return load_model(ModelSource(str(tiny_pair.target_dir))).model
 
-    monkeypatch.setattr(cpu_kernels, "load_kernel_library", lambda cache_dir: library)
+    monkeypatch.setattr(cpu_kernels, "load_kernel_library", lambda cache_dir, isa=None: library)
     assert prepare_cpu_kernels(fresh_model(), True, "preferred", tmp_path).mode == "batch_invariant"
-    monkeypatch.setattr(cpu_kernels, "load_kernel_library", lambda cache_dir: None)
+    monkeypatch.setattr(cpu_kernels, "load_kernel_library", lambda cache_dir, isa=None: None)
     assert prepare_cpu_kernels(fresh_model(), True, "preferred", tmp_path).mode == "fast"
     assert prepare_cpu_kernels(fresh_model(), True, "required", tmp_path).linear_path == "torch-rowwise"
+
+
+@pytest.mark.parametrize("isa", runnable_isas() or [None])
+def test_the_kernel_isa_asked_for_is_the_one_the_model_runs(tiny_pair, tmp_path, isa):
+    """--cpu-kernel-isa AVX2 on an AVX-512 CPU builds and runs the AVX2 kernel; auto the best."""
+    if isa is None:
+        pytest.skip("the CPU kernel cannot be built here (needs AVX2 or AVX-512 and gcc/cc)")
+    patch = prepare_cpu_kernels(load_model(ModelSource(str(tiny_pair.target_dir))).model, True, "preferred", tmp_path, isa=isa)
+    assert (patch.linear_path, patch.mode) == (f"kernel-{isa.lower()}", "batch_invariant")
+    assert prepare_cpu_kernels(load_model(ModelSource(str(tiny_pair.target_dir))).model, True, "preferred", tmp_path).linear_path == (
+        f"kernel-{runnable_isas()[0].lower()}"
+    )
+
+
+def test_a_kernel_isa_the_cpu_lacks_stops_the_verifier_with_the_reason(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "runnable_isas", lambda: ["AVX2"])
+    with pytest.raises(ValueError, match="this CPU cannot run the AVX512 kernel \\(it runs \\['AVX2'\\]\\)"):
+        prepare_cpu_kernels(load_model(ModelSource(str(tiny_pair.target_dir))).model, True, "preferred", tmp_path, isa="AVX512")
+
+
+def test_the_verifier_setting_takes_the_kernel_isas_and_nothing_else():
+    from pydantic import ValidationError
+
+    from verifier_service.settings import VerifierSettings
+
+    assert VerifierSettings().cpu_kernel_isa == "auto" and VerifierSettings(cpu_kernel_isa="AVX2").cpu_kernel_isa == "AVX2"
+    with pytest.raises(ValidationError):
+        VerifierSettings(cpu_kernel_isa="SSE4")
 
 
 def test_without_a_compiler_there_is_no_kernel_and_the_log_says_why(tmp_path, monkeypatch, caplog):

@@ -109,6 +109,14 @@ class VerifierSettings(ServiceSettings):
             "and target-only routes alike; --no-fast-kernels runs stock transformers."
         ),
     )
+    cpu_kernel_isa: Literal["auto", "AVX512", "AVX2"] = Field(
+        "auto",
+        description=(
+            "--fast-kernels: the vector ISA the kernel is built for; auto = the best this CPU runs. AVX2 on an AVX-512 CPU"
+            " measures what an AVX2-only machine would do, or avoids AVX-512 where it lowers the core's clock; an ISA"
+            " the CPU lacks is an error at start."
+        ),
+    )
     batch_invariant: bool = Field(
         True,
         description=(

@@ -50,6 +50,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
             served_model_name=settings.served_model_name,
             fast_kernels=settings.fast_kernels,
             batch_invariant=settings.batch_invariance(),
+            kernel_isa=None if settings.cpu_kernel_isa == "auto" else settings.cpu_kernel_isa,
             max_retained_kv_bytes=None if settings.prefix_sharing == "off" else DEFAULT_KV_CACHE_BYTES,
         )
         transformers_backend.configure(settings.scheduler_limits())

@@ -38,6 +38,8 @@
 #define LANES 16
 #define MAX_SINGLE_GROUP 9 /* rows done in one pass over W; more rows are split in groups */
 #define MAX_GROUP 8
+#define PANEL_VECS 2 /* vectors per panel of the packed form */
+#define MAX_PANELS 3 /* panels one packed tile holds at most */
 typedef __m512 vec;
 #define VZERO() _mm512_setzero_ps()
 #define VLOAD(p) _mm512_loadu_ps(p)
@@ -50,9 +52,15 @@ static inline float vsum(vec v) {
     return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+/* 16 vector registers: a tile of MT rows x NV weight vectors keeps MT NV accumulators, NV weights
+ * and one input in registers. One-vector panels let a tile of up to 12 rows keep all its
+ * accumulators (12 + 1 + 1 registers), so a verify block of 9 rows reads W once, in one pass;
+ * with two-vector panels it took two groups, the second re-reading W while memory sat idle. */
 #define LANES 8
-#define MAX_SINGLE_GROUP 6
-#define MAX_GROUP 6
+#define MAX_SINGLE_GROUP 12
+#define MAX_GROUP 6 /* 6 rows x 2 panels: 12 FMAs per 8 loads, the compute-bound (prefill) tile */
+#define PANEL_VECS 1
+#define MAX_PANELS 6
 typedef __m256 vec;
 #define VZERO() _mm256_setzero_ps()
 #define VLOAD(p) _mm256_loadu_ps(p)
@@ -67,7 +75,7 @@ static inline float vsum(vec v) {
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
-#define MAX_TILE_ROWS 9
+#define MAX_TILE_ROWS MAX_SINGLE_GROUP
 #define MAX_TILE_COLS 8
 /* Tiles of 4 rows or more compute long enough per weight line that the hardware prefetcher
  * falls behind: they also fetch 1 KiB ahead in their own weight rows into L1. Measured on
@@ -132,10 +140,12 @@ TILE(1, 8) TILE(2, 8) TILE(3, 7) TILE(4, 6) TILE(5, 5) TILE(6, 4) TILE(7, 3) TIL
 static const struct tile_shape SHAPES[] = {{0, 0, 0}, SHAPE(1, 8), SHAPE(2, 8), SHAPE(3, 7),
     SHAPE(4, 6), SHAPE(5, 5), SHAPE(6, 4), SHAPE(7, 3), SHAPE(8, 3), SHAPE(9, 3)};
 #else
-/* 16 vector registers. */
-TILE(1, 4) TILE(2, 4) TILE(3, 3) TILE(4, 2) TILE(5, 2) TILE(6, 2)
-static const struct tile_shape SHAPES[] = {{0, 0, 0}, SHAPE(1, 4), SHAPE(2, 4), SHAPE(3, 3),
-    SHAPE(4, 2), SHAPE(5, 2), SHAPE(6, 2)};
+/* 16 vector registers: MT * NT accumulators + NT weights + 1 input. From 7 rows on, one weight
+ * row per tile: every row of a verify block in one pass over W. */
+TILE(1, 4) TILE(2, 4) TILE(3, 3) TILE(4, 2) TILE(5, 2) TILE(6, 2) TILE(7, 1) TILE(8, 1) TILE(9, 1) TILE(10, 1)
+TILE(11, 1) TILE(12, 1)
+static const struct tile_shape SHAPES[] = {{0, 0, 0}, SHAPE(1, 4), SHAPE(2, 4), SHAPE(3, 3), SHAPE(4, 2),
+    SHAPE(5, 2), SHAPE(6, 2), SHAPE(7, 1), SHAPE(8, 1), SHAPE(9, 1), SHAPE(10, 1), SHAPE(11, 1), SHAPE(12, 1)};
 #endif
 
 static int num_groups_for(int M) { return M <= MAX_SINGLE_GROUP ? 1 : (M + MAX_GROUP - 1) / MAX_GROUP; }
@@ -190,14 +200,14 @@ void spade_linear(const float *x, const float *w, const float *bias, float *y, i
 
 /* --- packed weights --------------------------------------------------------------------------
  *
- * The same product on weights repacked into panels of PANEL output columns (two vectors):
- * panel p holds W[p PANEL + c, k] at packed[(p K + k) PANEL + c], so a panel is one contiguous
- * stream in k. Here each vector lane IS one output y[m, n]: a tile of MT rows x NP panels keeps
- * MT x 2 NP accumulators, and per k loads 2 NP weight vectors, broadcasts x[m, k] and does the
- * FMAs. Against the dot-product form above, the rows' inputs are read as scalars (once per
- * 16 k instead of once per k and weight row), the weights as one sequential stream per panel,
- * and nothing is summed across lanes: a block of 9 rows costs little more than one
- * (docs/benchmarks.md, "The target's forward per draft length").
+ * The same product on weights repacked into panels of PANEL output columns (PANEL_VECS vectors:
+ * two with AVX-512, one with AVX2): panel p holds W[p PANEL + c, k] at packed[(p K + k) PANEL + c],
+ * so a panel is one contiguous stream in k. Here each vector lane IS one output y[m, n]: a tile
+ * of MT rows x NP panels keeps MT x NP PANEL_VECS accumulators, and per k loads NP PANEL_VECS
+ * weight vectors, broadcasts x[m, k] and does the FMAs. Against the dot-product form above, the
+ * rows' inputs are read as scalars (once per LANES k instead of once per k and weight row), the
+ * weights as one sequential stream per panel, and nothing is summed across lanes: a block of 9
+ * rows costs little more than one (docs/benchmarks.md, "The target's forward per draft length").
  *
  * Batch invariance, by construction: y[m, n] = bias[n] + (... ((x[m,0] W[n,0]) + x[m,1] W[n,1])
  * ... + x[m,K-1] W[n,K-1]), one fused multiply-add per k in order, whatever M, the tile shape,
@@ -205,50 +215,65 @@ void spade_linear(const float *x, const float *w, const float *bias, float *y, i
  * exactly).
  */
 
-#define PANEL (2 * LANES)
-/* Tiles of 8 or more rows compute long enough per panel line that the hardware prefetcher falls
- * behind: they also prefetch 8 KiB ahead in each panel's stream, into L2. Fewer rows do without
- * (measured on Zen 4: faster for 8-9 rows, slower for 1-7; docs/benchmarks.md). AVX2 tiles have
- * 6 rows at most, so they never prefetch (not measured: no AVX2-only machine was at hand). */
+#define PANEL (PANEL_VECS * LANES)
+/* Tiles of many rows compute long enough per panel line that the hardware prefetcher falls
+ * behind: they also prefetch PACKED_PREFETCH_FLOATS ahead in each panel's stream, into L2. Fewer
+ * rows do without. Measured per ISA (docs/benchmarks.md): AVX-512 on Zen 4 (Run F), faster for
+ * 8-9 rows and slower for 1-7; AVX2's one-vector panels on a Xeon (Run R), 5-6 rows 9-12 % faster,
+ * 4 rows the same, 8-12 rows 25-32 % faster. The #ifndef guards let a bench build variants (-D)
+ * side by side; the service builds these values. */
+#ifndef PACKED_PREFETCH_MIN_ROWS
+#if LANES == 16
 #define PACKED_PREFETCH_MIN_ROWS 8
+#else
+#define PACKED_PREFETCH_MIN_ROWS 5
+#endif
+#endif
+#ifndef PACKED_PREFETCH_FLOATS
 #define PACKED_PREFETCH_FLOATS 2048
-#define MAX_PANELS 3
+#endif
+#ifndef K_BLOCK
 #define K_BLOCK 1024 /* rows in several groups: the panels' slice of K_BLOCK stays in cache across groups */
+#endif
 
 #if LANES == 16
 #define VBROADCAST(p) _mm512_set1_ps(*(p))
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VADD(a, b) _mm512_add_ps(a, b)
 #else
-#define VBROADCAST(p) _mm256_broadcast_ss(p)
+/* Not _mm256_broadcast_ss(p): gcc 12 treats that builtin's pointer as if it might write memory and
+ * stores every accumulator to the stack on each k (blocks of 6-64 rows ran 1.5-1.7x slower). */
+#define VBROADCAST(p) _mm256_set1_ps(*(p))
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VADD(a, b) _mm256_add_ps(a, b)
 #endif
+#define TILE_VECS (PANEL_VECS * MAX_PANELS)
 
 /* y[i, p PANEL + c] (+)= sum over k in [k0, k1) of x[i, k] W[p PANEL + c, k], for i < mt, p < np.
- * `first`: start from zero (else resume the sums in y); `last`: add the bias. */
+ * `first`: start from zero (else resume the sums in y); `last`: add the bias; `prefetch`: also
+ * fetch each panel's stream PACKED_PREFETCH_FLOATS ahead into L2, once per cache line. */
 INLINE void panel_tile(int mt, int np, const float *x, int K, const float *wp, const float *bias, float *y,
                        ptrdiff_t ldy, int k0, int k1, int first, int last, int prefetch) {
-    vec acc[MAX_TILE_ROWS][2 * MAX_PANELS];
+    vec acc[MAX_TILE_ROWS][TILE_VECS];
+    int nv = np * PANEL_VECS;
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < 2 * np; j++)
+        for (int j = 0; j < nv; j++)
             acc[i][j] = first ? VZERO() : VLOAD(y + (ptrdiff_t)i * ldy + j * LANES);
     for (int k = k0; k < k1; k++) {
-        vec wv[2 * MAX_PANELS];
+        vec wv[TILE_VECS];
         for (int p = 0; p < np; p++) {
             const float *base = wp + ((ptrdiff_t)p * K + k) * PANEL;
-            wv[2 * p] = VLOAD(base);
-            wv[2 * p + 1] = VLOAD(base + LANES);
-            if (prefetch && mt >= PACKED_PREFETCH_MIN_ROWS)
+            for (int v = 0; v < PANEL_VECS; v++) wv[p * PANEL_VECS + v] = VLOAD(base + v * LANES);
+            if (prefetch && (k * PANEL) % 16 == 0) /* with AVX2, two k steps share a 64-byte line */
                 for (int c = 0; c < PANEL; c += 16) _mm_prefetch((const char *)(base + PACKED_PREFETCH_FLOATS + c), _MM_HINT_T1);
         }
         for (int i = 0; i < mt; i++) {
             vec xv = VBROADCAST(x + (ptrdiff_t)i * K + k);
-            for (int j = 0; j < 2 * np; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
+            for (int j = 0; j < nv; j++) acc[i][j] = VFMA(xv, wv[j], acc[i][j]);
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < 2 * np; j++)
+        for (int j = 0; j < nv; j++)
             VSTORE(y + (ptrdiff_t)i * ldy + j * LANES, last && bias ? VADD(acc[i][j], VLOAD(bias + j * LANES)) : acc[i][j]);
 }
 
@@ -261,9 +286,9 @@ typedef void (*panel_fn)(const float *, int, const float *, const float *, float
         else panel_tile(MT, NP, x, K, wp, b, y, ldy, k0, k1, first, last, 0);                                     \
     }
 
-/* PANEL_TILES[MT][NP]: every shape whose MT x 2 NP accumulators + 2 NP weights + 1 input fit the
- * vector registers; PANELS_FOR[MT]: the widest (a group's own shape). */
-#if LANES == 16 /* 32 registers */
+/* PANEL_TILES[MT][NP]: every shape whose MT x NP PANEL_VECS accumulators + NP PANEL_VECS weights + 1
+ * input fit the vector registers; PANELS_FOR[MT]: the widest (a group's own shape). */
+#if LANES == 16 /* 32 registers, two-vector panels */
 PANEL_TILE(1, 1) PANEL_TILE(1, 2) PANEL_TILE(1, 3) PANEL_TILE(2, 1) PANEL_TILE(2, 2) PANEL_TILE(2, 3)
 PANEL_TILE(3, 1) PANEL_TILE(3, 2) PANEL_TILE(3, 3) PANEL_TILE(4, 1) PANEL_TILE(4, 2) PANEL_TILE(4, 3)
 PANEL_TILE(5, 1) PANEL_TILE(5, 2) PANEL_TILE(6, 1) PANEL_TILE(6, 2) PANEL_TILE(7, 1) PANEL_TILE(8, 1) PANEL_TILE(9, 1)
@@ -272,35 +297,51 @@ static const panel_fn PANEL_TILES[MAX_TILE_ROWS + 1][MAX_PANELS + 1] = {
     {0, panels_3x1, panels_3x2, panels_3x3}, {0, panels_4x1, panels_4x2, panels_4x3}, {0, panels_5x1, panels_5x2},
     {0, panels_6x1, panels_6x2}, {0, panels_7x1}, {0, panels_8x1}, {0, panels_9x1}};
 static const int PANELS_FOR[] = {0, 3, 3, 3, 3, 2, 2, 1, 1, 1};
-#else /* 16 registers */
-PANEL_TILE(1, 1) PANEL_TILE(1, 2) PANEL_TILE(1, 3) PANEL_TILE(2, 1) PANEL_TILE(2, 2)
-PANEL_TILE(3, 1) PANEL_TILE(4, 1) PANEL_TILE(5, 1) PANEL_TILE(6, 1)
+#else /* 16 registers, one-vector panels */
+PANEL_TILE(1, 1) PANEL_TILE(1, 2) PANEL_TILE(1, 3) PANEL_TILE(1, 4) PANEL_TILE(1, 5) PANEL_TILE(1, 6)
+PANEL_TILE(2, 1) PANEL_TILE(2, 2) PANEL_TILE(2, 3) PANEL_TILE(2, 4) PANEL_TILE(3, 1) PANEL_TILE(3, 2) PANEL_TILE(3, 3)
+PANEL_TILE(4, 1) PANEL_TILE(4, 2) PANEL_TILE(4, 3) PANEL_TILE(5, 1) PANEL_TILE(5, 2) PANEL_TILE(6, 1) PANEL_TILE(6, 2)
+PANEL_TILE(7, 1) PANEL_TILE(8, 1) PANEL_TILE(9, 1) PANEL_TILE(10, 1) PANEL_TILE(11, 1) PANEL_TILE(12, 1)
 static const panel_fn PANEL_TILES[MAX_TILE_ROWS + 1][MAX_PANELS + 1] = {
-    {0}, {0, panels_1x1, panels_1x2, panels_1x3}, {0, panels_2x1, panels_2x2}, {0, panels_3x1}, {0, panels_4x1},
-    {0, panels_5x1}, {0, panels_6x1}};
-static const int PANELS_FOR[] = {0, 3, 2, 1, 1, 1, 1};
+    {0}, {0, panels_1x1, panels_1x2, panels_1x3, panels_1x4, panels_1x5, panels_1x6},
+    {0, panels_2x1, panels_2x2, panels_2x3, panels_2x4}, {0, panels_3x1, panels_3x2, panels_3x3},
+    {0, panels_4x1, panels_4x2, panels_4x3}, {0, panels_5x1, panels_5x2}, {0, panels_6x1, panels_6x2},
+    {0, panels_7x1}, {0, panels_8x1}, {0, panels_9x1}, {0, panels_10x1}, {0, panels_11x1}, {0, panels_12x1}};
+static const int PANELS_FOR[] = {0, 6, 4, 3, 3, 2, 2, 1, 1, 1, 1, 1, 1};
 #endif
 
 int spade_panel_width(void) { return PANEL; }
 
-/* Panels [p0, p1) against all M rows, a few panels at a time. One group of rows: each tile runs
- * over all of K, prefetching its streams. More groups (rows of a prefill): K in blocks, every
- * group over the block's slice of the panels (then in cache), the first group prefetching. */
-static void packed_panels(const float *x, const float *wp, const float *bias, float *y, int M, int N, int K, int p0,
-                          int p1) {
-    int num_groups = num_groups_for(M);
+/* One group of rows (a verify block): each tile runs over all of K, prefetching its streams
+ * when it has rows enough to fall behind them. */
+static void packed_one_group(const float *x, const float *wp, const float *bias, float *y, int M, int N, int K,
+                             int p0, int p1) {
+    int unit = PANELS_FOR[M], prefetch = M >= PACKED_PREFETCH_MIN_ROWS;
+    for (int p = p0; p < p1; p += unit) {
+        int np = p1 - p < unit ? p1 - p : unit;
+        PANEL_TILES[M][np](x, K, wp + (ptrdiff_t)p * K * PANEL, bias ? bias + p * PANEL : 0, y + p * PANEL, N, 0, K, 1,
+                           1, prefetch);
+    }
+}
+
+/* Several groups (rows of a prefill): K in blocks, every group over the block's slice of a few
+ * panels (then in cache), the first group prefetching. Measured against blocking the rows and K
+ * as a GEMM does (the inputs kept in L2, the slice in L1): no faster with either ISA, slower for
+ * AVX-512 at 512 rows (docs/benchmarks.md, "Run R"). */
+static void packed_groups(const float *x, const float *wp, const float *bias, float *y, int M, int N, int K, int p0,
+                          int p1, int num_groups) {
     int unit = PANELS_FOR[M / num_groups]; /* the shorter group's width fits the taller group too */
     if (PANELS_FOR[(M + num_groups - 1) / num_groups] < unit) unit = PANELS_FOR[(M + num_groups - 1) / num_groups];
-    int k_block = num_groups == 1 ? K : K_BLOCK;
     for (int p = p0; p < p1; p += unit) {
         int np = p1 - p < unit ? p1 - p : unit;
         const float *panels = wp + (ptrdiff_t)p * K * PANEL;
-        for (int k0 = 0; k0 < K; k0 += k_block) {
-            int k1 = k0 + k_block < K ? k0 + k_block : K;
+        for (int k0 = 0; k0 < K; k0 += K_BLOCK) {
+            int k1 = k0 + K_BLOCK < K ? k0 + K_BLOCK : K;
             for (int g = 0; g < num_groups; g++) {
                 int m0 = g * M / num_groups, height = (g + 1) * M / num_groups - m0; /* balanced */
                 PANEL_TILES[height][np](x + (ptrdiff_t)m0 * K, K, panels, bias ? bias + p * PANEL : 0,
-                                        y + (ptrdiff_t)m0 * N + p * PANEL, N, k0, k1, k0 == 0, k1 == K, g == 0);
+                                        y + (ptrdiff_t)m0 * N + p * PANEL, N, k0, k1, k0 == 0, k1 == K,
+                                        g == 0 && height >= PACKED_PREFETCH_MIN_ROWS);
             }
         }
     }
@@ -312,12 +353,13 @@ void spade_packed_linear(const float *x, const float *wp, const float *bias, flo
                          int num_threads) {
     (void)num_threads; /* used by OpenMP only */
     if (M <= 0 || N <= 0) return;
-    int num_panels = N / PANEL;
+    int num_panels = N / PANEL, num_groups = num_groups_for(M);
     int per_thread = num_threads > 1 ? (num_panels + num_threads - 1) / num_threads : num_panels;
     int num_parts = (num_panels + per_thread - 1) / per_thread;
     PARALLEL_FOR
     for (int part = 0; part < num_parts; part++) {
         int p0 = part * per_thread, p1 = p0 + per_thread < num_panels ? p0 + per_thread : num_panels;
-        packed_panels(x, wp, bias, y, M, N, K, p0, p1);
+        if (num_groups == 1) packed_one_group(x, wp, bias, y, M, N, K, p0, p1);
+        else packed_groups(x, wp, bias, y, M, N, K, p0, p1, num_groups);
     }
 }

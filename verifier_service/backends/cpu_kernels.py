@@ -113,25 +113,15 @@ def runnable_isas() -> list[str]:
     return [] if isa is None else list(ISA_FLAGS)[list(ISA_FLAGS).index(isa) :]
 
 
-def load_kernel_library(cache_dir: Path, isa: str | None = None) -> KernelLibrary | None:
+def load_kernel_library(cache_dir: Path, isa: str | None = None, source: Path = KERNEL_SOURCE) -> KernelLibrary | None:
     """Build (once per source, ISA and compiler) and load the kernel, for this machine's best ISA
     or ``isa`` (one of ``runnable_isas()``); None when this machine cannot (no AVX2/AVX-512, no C
-    compiler), with the reason logged."""
-    if isa is not None and isa not in runnable_isas():
-        raise ValueError(f"this CPU cannot run the {isa} kernel (it runs {runnable_isas() or 'none'})")
-    isa = isa or cpu_isa()
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if isa is None or compiler is None:
-        logger.warning("CPU kernels unavailable: %s", "no AVX2/AVX-512" if isa is None else "no C compiler (gcc/cc)")
+    compiler), with the reason logged. ``source``: another version of the kernel, for a bench
+    that compares two side by side."""
+    built = build_library(source, cache_dir, isa)
+    if built is None:
         return None
-    path = cache_dir / "kernels" / f"cpu_kernels-{isa.lower()}-{kernel_digest(compiler, isa)}.so"
-    try:
-        if not path.is_file() and not compile_kernel(compiler, ISA_FLAGS[isa], path):
-            return None
-        library = ctypes.CDLL(str(path))
-    except OSError as error:  # an unwritable cache, a library that does not load
-        logger.warning("CPU kernels unavailable: %s", error)
-        return None
+    library, isa, path = built
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     for function in (library.spade_linear, library.spade_packed_linear):
         function.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
@@ -140,23 +130,44 @@ def load_kernel_library(cache_dir: Path, isa: str | None = None) -> KernelLibrar
     return KernelLibrary(library, isa, path)
 
 
-def kernel_digest(compiler: str, isa: str) -> str:
+def build_library(source: Path, cache_dir: Path, isa: str | None = None) -> tuple[ctypes.CDLL, str, Path] | None:
+    """Compile ``source`` (once per source, ISA and compiler, into ``cache_dir/kernels``) for this
+    machine's best ISA or ``isa``, and load it: (library, ISA, its file); None, with the reason
+    logged, where it cannot."""
+    if isa is not None and isa not in runnable_isas():
+        raise ValueError(f"this CPU cannot run the {isa} kernel (it runs {runnable_isas() or 'none'})")
+    isa = isa or cpu_isa()
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if isa is None or compiler is None:
+        logger.warning("CPU kernels unavailable: %s", "no AVX2/AVX-512" if isa is None else "no C compiler (gcc/cc)")
+        return None
+    path = cache_dir / "kernels" / f"{source.stem}-{isa.lower()}-{kernel_digest(compiler, isa, source)}.so"
+    try:
+        if not path.is_file() and not compile_kernel(compiler, ISA_FLAGS[isa], path, source):
+            return None
+        return ctypes.CDLL(str(path)), isa, path
+    except OSError as error:  # an unwritable cache, a library that does not load
+        logger.warning("CPU kernels unavailable: %s", error)
+        return None
+
+
+def kernel_digest(compiler: str, isa: str, source: Path = KERNEL_SOURCE) -> str:
     """Changes with the source, the ISA, the compiler's version and the build's flags."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
-    hasher = hashlib.sha256(KERNEL_SOURCE.read_bytes())
+    hasher = hashlib.sha256(source.read_bytes())
     hasher.update(f"\x00{isa}\x00{compiler}\x00{version}\x00{BUILD_FLAGS}".encode())
     return hasher.hexdigest()[:16]
 
 
-def compile_command(compiler: str, isa_flags: tuple[str, ...], output: str, openmp: bool) -> list[str]:
+def compile_command(compiler: str, isa_flags: tuple[str, ...], output: str, openmp: bool, source: Path = KERNEL_SOURCE) -> list[str]:
     openmp_flags = ["-fopenmp"] if openmp else []
-    return [compiler, *openmp_flags, *BUILD_FLAGS, *isa_flags, "-o", output, str(KERNEL_SOURCE)]
+    return [compiler, *openmp_flags, *BUILD_FLAGS, *isa_flags, "-o", output, str(source)]
 
 
-def compile_kernel(compiler: str, isa_flags: tuple[str, ...], path: Path) -> bool:
+def compile_kernel(compiler: str, isa_flags: tuple[str, ...], path: Path, source: Path = KERNEL_SOURCE) -> bool:
     """Compile into a sibling temp file, then rename (concurrent starts race safely). OpenMP
     only splits weight rows across --threads, so a compiler without it still builds a kernel."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -165,7 +176,7 @@ def compile_kernel(compiler: str, isa_flags: tuple[str, ...], path: Path) -> boo
     try:
         for openmp in (True, False):
             try:
-                command = compile_command(compiler, isa_flags, staging, openmp)
+                command = compile_command(compiler, isa_flags, staging, openmp, source)
                 result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
             except (OSError, subprocess.SubprocessError) as error:
                 logger.warning("CPU kernels: %s failed: %s", compiler, error)
@@ -177,7 +188,7 @@ def compile_kernel(compiler: str, isa_flags: tuple[str, ...], path: Path) -> boo
                 os.replace(staging, path)
                 logger.info("CPU kernels built: %s", path)
                 return True
-        logger.warning("CPU kernels: compiling %s failed:\n%s", KERNEL_SOURCE.name, result.stderr[-2000:])
+        logger.warning("CPU kernels: compiling %s failed:\n%s", source.name, result.stderr[-2000:])
         return False
     finally:
         if os.path.exists(staging):
@@ -374,12 +385,17 @@ and a C compiler; the fast mode elsewhere), ``off``."""
 
 
 def prepare_cpu_kernels(
-    model: PreTrainedModel, fast_kernels: bool, batch_invariant: bool | BatchInvariance, cache_dir: str | Path | None = None
+    model: PreTrainedModel,
+    fast_kernels: bool,
+    batch_invariant: bool | BatchInvariance,
+    cache_dir: str | Path | None = None,
+    isa: str | None = None,
 ) -> CpuKernelPatch | None:
     """What the transformers backend calls on its freshly loaded model: the kernels where they
     apply (CPU, float32), stock transformers elsewhere. A ``required`` batch invariance cannot be
     met elsewhere, so it raises instead; a ``preferred`` one needs the compiled kernel too (the
-    batch-invariant mode without it runs each linear row by row: slow), else the fast mode runs."""
+    batch-invariant mode without it runs each linear row by row: slow), else the fast mode runs.
+    ``isa``: the kernel's ISA (one of ``runnable_isas()``; None: the best); another raises."""
     invariance = as_invariance(batch_invariant)
     if not fast_kernels and invariance != "required":
         return None
@@ -391,7 +407,7 @@ def prepare_cpu_kernels(
         return None
     from spade_models.pull import resolve_cache_dir
 
-    library = load_kernel_library(resolve_cache_dir(cache_dir))
+    library = load_kernel_library(resolve_cache_dir(cache_dir), isa)
     started = time.perf_counter()
     patch = apply_cpu_kernels(model, library, invariance == "required" or (invariance == "preferred" and library is not None))
     logger.info("CPU kernels: %s (applied in %.1f s)", patch.describe(), time.perf_counter() - started)

@@ -47,17 +47,19 @@ class TransformersBackend(VerifierBackend):
         served_model_name: str | None = None,
         fast_kernels: bool = False,
         batch_invariant: bool | BatchInvariance = False,
+        kernel_isa: str | None = None,
         max_retained_kv_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
         packed_attention: bool | None = None,
     ) -> None:
         """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
-        model is patched in place, and the target-only route runs the same patched model).
+        model is patched in place, and the target-only route runs the same patched model);
+        ``kernel_isa``: the kernel's ISA (None: the best this CPU runs).
         ``max_retained_kv_bytes``: KV of ended sessions kept as shared prefixes (the session
         registry's KV budget sets it as its room changes, ``limit_retained``); None: no prefix store,
         nothing shared (calls' ``cache_namespace`` is ignored). ``packed_attention``: all
         sessions' attention in one call per layer (``ragged``); None: off a CPU only."""
         self._tokenizer = loaded.tokenizer
-        self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant)
+        self.cpu_kernels = prepare_cpu_kernels(loaded.model, fast_kernels, batch_invariant, isa=kernel_isa)
         native_context_length: int = getattr(loaded.model.config, "max_position_embeddings", 4096)
         self._description = ModelDescription(
             model_id=served_model_name or loaded.model_id,
