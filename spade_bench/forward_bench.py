@@ -1,10 +1,16 @@
 """The target's forward time against the draft length: t(d) for d drafted tokens (d + 1 rows
 fed on top of a cached context), stock transformers vs the verifier's CPU kernels (fast, fast
-without packed weights, batch-invariant), side by side in one process on one loaded model.
+without packed weights, batch-invariant), for each kernel ISA asked for (``--isa AVX512,AVX2``:
+an AVX-512 CPU also runs the AVX2 build), side by side in one process on one loaded model.
 
     python -m spade_bench.forward_bench                                  # tiny target, built here
     taskset -c 1 python -m spade_bench.forward_bench --model qwen2.5-coder-1.5b-instruct \
-        --context-lengths 200,1000 --repeats 5 --output bench_results/forward   # (one line)
+        --isa AVX512,AVX2 --context-lengths 1000 --repeats 3 --output bench_results/forward
+
+Beside the times it prints the physics (``spade_bench.cpu_physics``): the CPU's model and clock,
+one core's stream bandwidth and in-register FMA rate per ISA, and what each forward achieved (its
+linear layers' weight bytes and FLOPs over its time), for the curve t(R), R = 1 to 16 rows, and
+a ``--prefill-rows`` prefill (512 by default, keeping one row's logits as a prefill does).
 
 For each context length the context is prefilled once (with the fast kernels; the cache
 contents do not change the timing) and every measurement feeds d + 1 random tokens after it,
@@ -32,17 +38,19 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from spade_bench.cpu_physics import CorePhysics, measure_core, parse_isas
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
-from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
+from verifier_service.backends.cpu_kernels import CpuKernelPatch, KernelLibrary, apply_cpu_kernels, load_kernel_library
 from verifier_service.backends.growing_cache import growing_cache
 
 MODES = ("stock", "fast_dot", "fast", "batch_invariant")
 """fast_dot: the fast mode with every weight left row-major (the kernel's dot-product form, as
 before weights were packed); fast and batch_invariant pack the weights as the verifier does."""
-DRAFTED = (0, 1, 2, 4, 8, 16)
-"""d = 0 is one target-only step (one row); d drafted tokens feed d + 1 rows."""
+DRAFTED = tuple(range(16))
+"""d = 0 is one target-only step (one row); d drafted tokens feed d + 1 rows: R = 1 to 16."""
+PREFILL_ROWS = 512
 
 
 CLOCKS = ("cpu", "wall")
@@ -63,25 +71,41 @@ class Timings:
         return statistics.median(self.seconds[(clock, context_length, mode, drafted)]) * 1e3
 
 
-class ForwardBench:
-    """One model, its cache over a random context, and the modes to switch between."""
+def variant_name(mode: str, isa: str | None) -> str:
+    """A mode on one kernel ISA: ``fast (AVX2)``; stock runs no kernel."""
+    return mode if mode == "stock" or isa is None else f"{mode} ({isa})"
 
-    def __init__(self, model, library, seed: int = 0) -> None:
+
+def split_variant(variant: str) -> tuple[str, str | None]:
+    """``fast (AVX2 old)`` -> (``fast``, ``AVX2 old``): the mode and its kernel's label."""
+    mode, _, isa = variant.partition(" (")
+    return mode, isa.rstrip(")") or None
+
+
+def variant_isa(variant: str) -> str:
+    """The ISA a variant's kernel runs (``AVX2`` for ``fast (AVX2 old)``); "" for stock."""
+    return (split_variant(variant)[1] or "").split(" ")[0]
+
+
+class ForwardBench:
+    """One model, its cache over a random context, and the variants (mode, ISA) to switch between."""
+
+    def __init__(self, model, libraries: dict[str | None, KernelLibrary | None], seed: int = 0) -> None:
         self.model = model
-        self.library = library
+        self.libraries = libraries
         self.cache_argument = cache_argument_name(model)
         self.generator = torch.Generator().manual_seed(seed)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.patch: CpuKernelPatch | None = None
 
-    def use(self, mode: str) -> None:
+    def use(self, variant: str) -> None:
         if self.patch is not None:
             self.patch.remove()
             self.patch = None
+        mode, isa = split_variant(variant)
         if mode != "stock":
-            self.patch = apply_cpu_kernels(
-                self.model, self.library, batch_invariant=mode == "batch_invariant", pack_weights=mode != "fast_dot"
-            )
+            library = self.libraries.get(isa, next(iter(self.libraries.values()), None))
+            self.patch = apply_cpu_kernels(self.model, library, batch_invariant=mode == "batch_invariant", pack_weights=mode != "fast_dot")
 
     def random_tokens(self, count: int) -> torch.Tensor:
         return torch.randint(3, self.vocab_size, (1, count), generator=self.generator)
@@ -95,20 +119,24 @@ class ForwardBench:
         """Per mode, the cache the verifier would use over one random context: transformers'
         DynamicCache for stock, the in-place ``growing_cache`` with the kernels."""
         grown = growing_cache(self.model.config)
-        self.use("fast")
+        self.use(variant_name("fast", next(iter(self.libraries), None)))
         self.forward(grown, self.random_tokens(context_length), 1)
         stock = DynamicCache(config=self.model.config)
         for index, layer in enumerate(grown.layers):
             if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
                 raise ValueError(f"layer {index} is not a filled key/value layer: the bench copies those only")
             stock.update(layer.keys.clone(), layer.values.clone(), index)
-        return {mode: stock if mode == "stock" else grown for mode in MODES}
+        return {"stock": stock, "kernels": grown}
 
-    def time_block(self, cache: DynamicCache, drafted: int) -> tuple[float, float]:
-        """(CPU seconds, wall seconds) of one forward of d + 1 rows after the cached context."""
+    def cache_for(self, caches: dict[str, DynamicCache], variant: str) -> DynamicCache:
+        return caches["stock" if variant == "stock" else "kernels"]
+
+    def time_block(self, cache: DynamicCache, drafted: int, keep: int | None = None) -> tuple[float, float]:
+        """(CPU seconds, wall seconds) of one forward of d + 1 rows after the cached context,
+        keeping the logits of every row (a verify) or of the last ``keep`` (a prefill)."""
         token_ids = self.random_tokens(drafted + 1)
         cpu_started, wall_started = time.process_time(), time.perf_counter()
-        self.forward(cache, token_ids, drafted + 1)
+        self.forward(cache, token_ids, drafted + 1 if keep is None else keep)
         elapsed = (time.process_time() - cpu_started, time.perf_counter() - wall_started)
         cache.crop(-(drafted + 1))
         return elapsed
@@ -122,7 +150,7 @@ def run_timings(bench: ForwardBench, context_lengths: list[int], modes: list[str
             for mode in modes:
                 bench.use(mode)
                 for num_drafted in drafted:
-                    cpu_s, wall_s = bench.time_block(caches[mode], num_drafted)
+                    cpu_s, wall_s = bench.time_block(bench.cache_for(caches, mode), num_drafted)
                     if repeat:
                         timings.add(context_length, mode, num_drafted, cpu_s, wall_s)
             print(f"context {context_length}: repetition {repeat}/{repeats} done, load {os.getloadavg()[0]:.2f}", flush=True)
@@ -130,29 +158,111 @@ def run_timings(bench: ForwardBench, context_lengths: list[int], modes: list[str
     return timings
 
 
+def run_prefills(bench: ForwardBench, context_length: int, modes: list[str], num_rows: int, repeats: int) -> dict[str, float]:
+    """Per variant, the median CPU seconds of a ``num_rows``-row forward after the context that
+    keeps one row's logits (a prefill chunk); variants interleaved within each repetition."""
+    caches = bench.prefill(context_length)
+    seconds: dict[str, list[float]] = {}
+    for repeat in range(repeats):
+        for mode in modes:
+            bench.use(mode)
+            seconds.setdefault(mode, []).append(bench.time_block(bench.cache_for(caches, mode), num_rows - 1, keep=1)[0])
+        print(f"prefill of {num_rows} rows: repetition {repeat + 1}/{repeats} done", flush=True)
+    bench.use("stock")
+    return {mode: statistics.median(values) for mode, values in seconds.items()}
+
+
+@dataclass(frozen=True)
+class LinearSizes:
+    """The target's linear layers: what a forward reads (weight bytes) and computes (2 FLOPs per
+    weight and row; attention's own FLOPs are left out, small at these context lengths)."""
+
+    body_parameters: int
+    head_parameters: int
+
+    @classmethod
+    def of(cls, model) -> LinearSizes:
+        head = model.get_output_embeddings()
+        head_id = id(head.weight) if head is not None else None
+        body = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear) and id(m.weight) != head_id)
+        return cls(body, 0 if head is None else head.weight.numel())
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 * (self.body_parameters + self.head_parameters)
+
+    def flops(self, num_rows: int, logit_rows: int) -> float:
+        return 2.0 * (self.body_parameters * num_rows + self.head_parameters * logit_rows)
+
+
+def physics_lines(physics: dict[str, CorePhysics | None]) -> list[str]:
+    return [f"{isa}: {core.describe()}" if core else f"{isa}: the physics probe could not be built" for isa, core in physics.items()]
+
+
+def efficiency_table(
+    timings: Timings, context_length: int, modes: list[str], drafted: list[int], sizes: LinearSizes, physics: dict[str, CorePhysics | None]
+) -> str:
+    """Per kernel variant and row count: CPU ms, t(R)/t(1), and the weight GB/s and GFLOP/s the
+    forward achieved, as shares of the core's stream bandwidth and FMA rate for its ISA."""
+    lines = [
+        "| variant | rows R | CPU ms | t(R)/t(1) | GB/s (of stream) | GFLOP/s (of FMA peak) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode in modes:
+        core = physics.get(variant_isa(mode))
+        one_row = timings.median_ms("cpu", context_length, mode, drafted[0])
+        for num_drafted in drafted:
+            milliseconds = timings.median_ms("cpu", context_length, mode, num_drafted)
+            lines.append(
+                f"| {mode} | {num_drafted + 1} | {milliseconds:.0f} | {milliseconds / one_row:.2f} | "
+                + efficiency_cells(milliseconds / 1e3, sizes, num_drafted + 1, num_drafted + 1, core)
+                + " |"
+            )
+    return "\n".join(lines)
+
+
+def efficiency_cells(seconds: float, sizes: LinearSizes, num_rows: int, logit_rows: int, core: CorePhysics | None) -> str:
+    gbps, gflops = sizes.weight_bytes / seconds / 1e9, sizes.flops(num_rows, logit_rows) / seconds / 1e9
+    if core is None:
+        return f"{gbps:.1f} | {gflops:.1f}"
+    return f"{gbps:.1f} ({gbps / core.stream_gbps:.0%}) | {gflops:.1f} ({gflops / core.fma_gflops:.0%})"
+
+
+def prefill_table(seconds: dict[str, float], num_rows: int, sizes: LinearSizes, physics: dict[str, CorePhysics | None]) -> str:
+    lines = [
+        f"| variant | {num_rows}-row prefill, CPU s | ms per row | GB/s (of stream) | GFLOP/s (of FMA peak) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for mode, value in seconds.items():
+        core = physics.get(variant_isa(mode))
+        lines.append(f"| {mode} | {value:.2f} | {value / num_rows * 1e3:.1f} | " + efficiency_cells(value, sizes, num_rows, 1, core) + " |")
+    return "\n".join(lines)
+
+
 def check_numerics(bench: ForwardBench, context_length: int, row_counts: list[int]) -> list[str]:
-    """Bitwise row invariance of the batch-invariant mode, and the kernels' distance from stock."""
+    """Per ISA: bitwise row invariance of the batch-invariant mode, and the kernels' distance from stock."""
     prefix = bench.random_tokens(context_length)
     block = bench.random_tokens(max(row_counts))
     lines = []
     logits = {}
-    for mode in ("stock", "fast", "batch_invariant"):
-        bench.use(mode)
+    variants = ["stock"] + [variant_name(mode, isa) for isa in bench.libraries for mode in ("fast", "batch_invariant")]
+    for variant in variants:
+        bench.use(variant)
         rows = {}
         for length in row_counts:
-            cache = DynamicCache(config=bench.model.config) if mode == "stock" else growing_cache(bench.model.config)
+            cache = DynamicCache(config=bench.model.config) if variant == "stock" else growing_cache(bench.model.config)
             bench.forward(cache, prefix, 1)
             rows[length] = bench.forward(cache, block[:, :length], length)
-        logits[mode] = rows
-        if mode != "stock":
+        logits[variant] = rows
+        if variant != "stock":
             equal = [length for length in row_counts[1:] if torch.equal(rows[length][0], rows[1][0])]
-            lines.append(f"{mode}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} (of {row_counts[1:]})")
+            lines.append(f"{variant}: row 0 of an M-row block bitwise equal to the one-row forward for M in {equal} (of {row_counts[1:]})")
     bench.use("stock")
     longest = max(row_counts)
-    for mode in ("fast", "batch_invariant"):
-        difference = (logits[mode][longest] - logits["stock"][longest]).abs().max().item()
-        same_top1 = bool((logits[mode][longest].argmax(-1) == logits["stock"][longest].argmax(-1)).all())
-        lines.append(f"{mode} vs stock, {longest}-row block: max |logit difference| {difference:.2e}, same argmax {same_top1}")
+    for variant in variants[1:]:
+        difference = (logits[variant][longest] - logits["stock"][longest]).abs().max().item()
+        same_top1 = bool((logits[variant][longest].argmax(-1) == logits["stock"][longest].argmax(-1)).all())
+        lines.append(f"{variant} vs stock, {longest}-row block: max |logit difference| {difference:.2e}, same argmax {same_top1}")
     return lines
 
 
@@ -203,7 +313,7 @@ def breakdown_lines(bench: ForwardBench, context_length: int, modes: list[str], 
     if not drafted_list:
         return []
     caches = bench.prefill(context_length)
-    return [breakdown(bench, caches[mode], mode, int(drafted)) for mode in modes for drafted in drafted_list.split(",")]
+    return [breakdown(bench, bench.cache_for(caches, mode), mode, int(drafted)) for mode in modes for drafted in drafted_list.split(",")]
 
 
 def table(timings: Timings, clock: str, context_lengths: list[int], modes: list[str], drafted: list[int]) -> str:
@@ -276,10 +386,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="target: registry name, directory or .gguf; default: a tiny target built in a temp dir")
     parser.add_argument("--gguf-file", help="GGUF file inside --model")
+    parser.add_argument("--isa", help="kernel ISAs, a comma list such as AVX512,AVX2 (default: the best this CPU runs)")
+    parser.add_argument(
+        "--compare-source",
+        help="another cpu_kernels.c (say, an earlier commit's: git show REV:verifier_service/backends/cpu_kernels.c > old.c) "
+        "built for the same ISAs and timed beside this one, labelled by its file name",
+    )
     parser.add_argument("--context-lengths", default="200,1000")
-    parser.add_argument("--drafted", default=",".join(map(str, DRAFTED)), help="draft lengths d (0 = one-row step)")
+    parser.add_argument("--drafted", default="0-15", help="draft lengths d (0 = one-row step): a comma list, or a range such as 0-15")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prefill-rows", type=int, default=PREFILL_ROWS, help="rows of the timed prefill forward (0 to skip)")
+    parser.add_argument("--prefill-repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--check-blocks", default="1,2,9,16", help="rows M of the numerics check's blocks ('' to skip)")
     parser.add_argument("--breakdown", default="0,8", help="draft lengths d to break down by layer kind ('' to skip)")
@@ -287,32 +405,68 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_counts(value: str) -> list[int]:
+    """``0,1,4`` or ``0-15`` (inclusive), or both mixed: ``0-3,8``."""
+    counts: list[int] = []
+    for item in value.split(","):
+        low, _, high = item.partition("-")
+        counts += list(range(int(low), int(high) + 1)) if high else [int(low)]
+    return counts
+
+
+def kernel_libraries(isas: list[str], compare_source: Path | None) -> dict[str | None, KernelLibrary | None]:
+    """Label -> kernel: ``AVX2`` for this version, ``AVX2 old`` for --compare-source old.c."""
+    libraries: dict[str | None, KernelLibrary | None] = {isa: load_kernel_library(resolve_cache_dir(None), isa) for isa in isas}
+    if compare_source is not None:
+        libraries |= {f"{isa} {compare_source.stem}": load_kernel_library(resolve_cache_dir(None), isa, compare_source) for isa in isas}
+    return libraries or {None: None}
+
+
+def expand_variants(modes: list[str], isas: list[str | None]) -> list[str]:
+    """Each kernel mode once per ISA (interleaved: the ISAs side by side), stock once."""
+    return [variant_name(mode, isa) for mode in modes for isa in (isas if mode != "stock" else [None])]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     context_lengths = [int(value) for value in args.context_lengths.split(",")]
-    drafted = [int(value) for value in args.drafted.split(",")]
-    modes = args.modes.split(",")
+    drafted = parse_counts(args.drafted)
+    isas = parse_isas(args.isa)
     with tempfile.TemporaryDirectory(prefix="spade-forward-bench-") as workdir:
         source = ModelSource(args.model, args.gguf_file) if args.model else tiny_source(Path(workdir))
         loaded = load_model(source, "cpu", "float32")
         started = time.perf_counter()
-        library = load_kernel_library(resolve_cache_dir(None))
-        print(f"kernel: {library} (build or load {time.perf_counter() - started:.1f} s)", flush=True)
-        bench = ForwardBench(loaded.model, library)
+        libraries = kernel_libraries(isas, Path(args.compare_source) if args.compare_source else None)
+        print(f"kernels: {list(libraries.values())} (build or load {time.perf_counter() - started:.1f} s)", flush=True)
+        physics = {isa: measure_core(isa) for isa in isas}
+        modes = expand_variants(args.modes.split(","), list(libraries))
+        bench = ForwardBench(loaded.model, libraries)
         timings = run_timings(bench, context_lengths, modes, drafted, args.repeats)
+        kernel_modes = [mode for mode in modes if mode != "stock"]
+        prefills = (
+            run_prefills(bench, min(context_lengths), kernel_modes, args.prefill_rows, args.prefill_repeats) if args.prefill_rows else {}
+        )
         breakdowns = breakdown_lines(bench, max(context_lengths), modes, args.breakdown)
         checks = check_numerics(bench, min(context_lengths), [int(v) for v in args.check_blocks.split(",")]) if args.check_blocks else []
+    sizes = LinearSizes.of(loaded.model)
     report = "\n\n".join(
-        [
+        part
+        for part in [
             f"{loaded.model_id}, fp32, {torch.get_num_threads()} torch thread(s), affinity {sorted(os.sched_getaffinity(0))}, "
             f"{args.repeats} repetitions (medians), load average at the end {os.getloadavg()[0]:.2f}",
+            "\n".join(physics_lines(physics)),
             table(timings, "cpu", context_lengths, modes, drafted),
             table(timings, "wall", context_lengths, modes, drafted),
-            speedup_table(timings, context_lengths, modes, drafted),
+            speedup_table(timings, context_lengths, modes, drafted) if "stock" in modes else "",
+            f"What each forward achieved, context {max(context_lengths)}: the linear layers' weights "
+            f"({sizes.weight_bytes / 1e9:.2f} GB) over its CPU time, and their FLOPs\n"
+            + efficiency_table(timings, max(context_lengths), kernel_modes, drafted, sizes, physics),
+            prefill_table(prefills, args.prefill_rows, sizes, physics) if prefills else "",
             "CPU ms per forward by layer kind, context " + str(max(context_lengths)) + ":\n" + "\n".join(breakdowns),
             "\n".join(checks),
         ]
+        if part
     )
     print("\n" + report)
     if args.output:

@@ -167,7 +167,7 @@ def ragged_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict
     model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model
     try:
         bench = RowsBench(model, config.context_length, max(config.ragged_sessions))
-        timings = run(bench, None, ["fast", PACKED], list(config.ragged_rows), list(config.ragged_sessions), repeats)
+        timings = run(bench, {}, ["fast", PACKED], list(config.ragged_rows), list(config.ragged_sessions), repeats)
         return {key: median_ms(samples, 1) for key, samples in timings.items()}
     finally:
         del model

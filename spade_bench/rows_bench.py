@@ -6,12 +6,14 @@ the price of one.
 
     python -m spade_bench.rows_bench                                     # tiny target, built here
     taskset -c 1 python -m spade_bench.rows_bench --model qwen2.5-coder-1.5b-instruct \
-        --rows 1,2,4,8,16,32,64,128 --sessions 1,4,8 --repeats 3 --output bench_results/rows
+        --isa AVX512,AVX2 --rows 1,2,4,8,16,32,64,128 --sessions 1,4,8 --repeats 3 --output bench_results/rows
 
 Every measurement feeds R random rows, split as evenly as they go over S sessions (each after its
 own cached context of --context-length tokens), scores each session's last row, and crops the
 caches back. Modes, row counts and session counts are interleaved within each repetition; the
-table prints medians of CPU time. Runs on CPU, or CUDA with --device cuda (the modes are then
+table prints medians of CPU time. On CPU each mode runs once per kernel ISA asked for (``--isa``:
+an AVX-512 CPU also runs the AVX2 build), labelled ``fast (AVX2)``, and the report opens with
+the core's physics per ISA (``spade_bench.cpu_physics``). Runs on CPU, or CUDA with --device cuda (the modes are then
 the stock model under the ragged forward, one attention call per segment or ``packed``: the
 kernels are CPU-only).
 """
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from spade_bench.forward_bench import tiny_source
+from spade_bench.cpu_physics import measure_core, parse_isas
+from spade_bench.forward_bench import physics_lines, split_variant, tiny_source, variant_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
 from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
@@ -86,22 +89,24 @@ class RowsBench:
         return elapsed
 
 
-def run(bench: RowsBench, library, modes: list[str], rows: list[int], sessions: list[int], repeats: int) -> dict:
-    """(mode, rows, sessions) -> [(cpu_s, wall_s)] per repetition (repetition 0 warms up)."""
+def run(bench: RowsBench, libraries: dict, modes: list[str], rows: list[int], sessions: list[int], repeats: int) -> dict:
+    """(mode, rows, sessions) -> [(cpu_s, wall_s)] per repetition (repetition 0 warms up). A CPU
+    mode names its kernel's ISA (``fast (AVX2)``, a key of ``libraries``)."""
     timings: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
     patch: CpuKernelPatch | None = None
     for repeat in range(repeats + 1):
-        for mode in modes:
+        for variant in modes:
             if patch is not None:
                 patch.remove()
                 patch = None
+            mode, isa = split_variant(variant)
             if bench.device.type == "cpu":
-                patch = apply_cpu_kernels(bench.model, library, batch_invariant=mode == "batch_invariant")
+                patch = apply_cpu_kernels(bench.model, libraries.get(isa), batch_invariant=mode == "batch_invariant")
             for num_rows in rows:
                 for num_sessions in sessions:
                     elapsed = bench.time_forward(num_rows, num_sessions, mode == "batch_invariant", mode == PACKED)
                     if repeat:
-                        timings.setdefault((mode, num_rows, num_sessions), []).append(elapsed)
+                        timings.setdefault((variant, num_rows, num_sessions), []).append(elapsed)
         print(f"repetition {repeat}/{repeats} done, load {os.getloadavg()[0]:.2f}", flush=True)
     if patch is not None:
         patch.remove()
@@ -113,29 +118,40 @@ def median_ms(samples: list[tuple[float, float]], clock: int) -> float:
 
 
 def table(timings: dict, modes: list[str], rows: list[int], sessions: list[int], clock: int) -> str:
-    """ms per forward by row count (lines) and mode x sessions (columns), and t(R)/t(1)."""
+    """ms per forward by row count (lines) and mode x sessions (columns), and each mode's
+    t(R)/t(1) with the first session count."""
     columns = [(mode, count) for mode in modes for count in sessions]
-    header = "| rows | " + " | ".join(f"{mode}, {count} sess." for mode, count in columns) + " | t(R)/t(1), " + modes[0] + " |"
-    lines = [header, "|" + " --- |" * (len(columns) + 2)]
-    one_row = median_ms(timings[(modes[0], rows[0], sessions[0])], clock)
+    header = (
+        "| rows | "
+        + " | ".join(f"{mode}, {count} sess." for mode, count in columns)
+        + " | "
+        + " | ".join(f"t(R)/t(1), {mode}" for mode in modes)
+        + " |"
+    )
+    lines = [header, "|" + " --- |" * (len(columns) + len(modes) + 1)]
     for num_rows in rows:
         cells = [f"{median_ms(timings[(mode, num_rows, count)], clock):.0f}" for mode, count in columns]
-        ratio = median_ms(timings[(modes[0], num_rows, sessions[0])], clock) / one_row
-        lines.append(f"| {num_rows} | " + " | ".join(cells) + f" | {ratio:.2f} |")
+        ratios = [
+            median_ms(timings[(mode, num_rows, sessions[0])], clock) / median_ms(timings[(mode, rows[0], sessions[0])], clock)
+            for mode in modes
+        ]
+        lines.append(f"| {num_rows} | " + " | ".join(cells) + " | " + " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
     return "\n".join(lines)
 
 
-def invariance_cost(timings: dict, rows: list[int], sessions: list[int]) -> str:
+def invariance_cost(timings: dict, rows: list[int], sessions: list[int], isa: str | None = None) -> str:
     """batch_invariant / fast per (rows, sessions): what bitwise invariance costs per forward."""
+    invariant, fast = variant_name("batch_invariant", isa), variant_name("fast", isa)
     ratios = [
-        median_ms(timings[("batch_invariant", r, s)], 0) / median_ms(timings[("fast", r, s)], 0)
+        median_ms(timings[(invariant, r, s)], 0) / median_ms(timings[(fast, r, s)], 0)
         for r in rows
         for s in sessions
-        if ("batch_invariant", r, s) in timings and ("fast", r, s) in timings
+        if (invariant, r, s) in timings and (fast, r, s) in timings
     ]
     if not ratios:
         return ""
-    return f"batch-invariant / fast, CPU time per forward: median {statistics.median(ratios):.3f}, max {max(ratios):.3f}"
+    label = f" ({isa})" if isa else ""
+    return f"batch-invariant / fast{label}, CPU time per forward: median {statistics.median(ratios):.3f}, max {max(ratios):.3f}"
 
 
 def plot(timings: dict, modes: list[str], rows: list[int], sessions: list[int], path: Path) -> None:
@@ -164,6 +180,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="target: registry name, directory or .gguf; default: a tiny target built in a temp dir")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--isa", help="CPU kernel ISAs, a comma list such as AVX512,AVX2 (default: the best this CPU runs)")
     parser.add_argument("--context-length", type=int, default=200)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--sessions", default="1,4,8")
@@ -179,21 +196,27 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     rows = [int(value) for value in args.rows.split(",")]
     sessions = [int(value) for value in args.sessions.split(",")]
-    modes = args.modes.split(",") if args.device == "cpu" else ["fast", PACKED]
+    on_cpu = args.device == "cpu"
+    isas: list[str | None] = list(parse_isas(args.isa)) if on_cpu else []
     with tempfile.TemporaryDirectory(prefix="spade-rows-bench-") as workdir:
         source = ModelSource(args.model) if args.model else tiny_source(Path(workdir))
         loaded = load_model(source, args.device, "float32")
-        library = load_kernel_library(resolve_cache_dir(None)) if args.device == "cpu" else None
+        libraries = {isa: load_kernel_library(resolve_cache_dir(None), isa) for isa in isas} or {None: None}
+        physics = {isa: measure_core(isa) for isa in isas if isa}
+        modes = [variant_name(mode, isa) for mode in args.modes.split(",") for isa in libraries] if on_cpu else ["fast", PACKED]
         bench = RowsBench(loaded.model, args.context_length, max(sessions))
-        timings = run(bench, library, modes, rows, sessions, args.repeats)
+        timings = run(bench, libraries, modes, rows, sessions, args.repeats)
     report = "\n\n".join(
-        [
+        part
+        for part in [
             f"{loaded.model_id}, fp32, {args.device}, {torch.get_num_threads()} torch thread(s), context {args.context_length} per "
             f"session, {args.repeats} repetitions (medians), load average at the end {os.getloadavg()[0]:.2f}",
+            "\n".join(physics_lines(physics)),
             "CPU ms per forward\n" + table(timings, modes, rows, sessions, 0),
             "wall ms per forward\n" + table(timings, modes, rows, sessions, 1),
-            invariance_cost(timings, rows, sessions),
+            "\n".join(filter(None, (invariance_cost(timings, rows, sessions, isa) for isa in libraries))),
         ]
+        if part
     )
     print("\n" + report)
     if args.output:
