@@ -27,7 +27,7 @@ from edge_agent.verifier_client import VerifierClient, VerifierState, check_toke
 from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
 from gateway.routes import build_openai_router
-from gateway.security import is_trusted_caller
+from gateway.security import is_keyed_caller, is_trusted_caller
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.protocol import described_model
 
@@ -129,14 +129,15 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
         status, status_code = health_status(verifier, settings.fallback)
         if not is_trusted_caller(request):  # keys configured, none presented: the status alone
             return JSONResponse(EdgeHealth(status=status).model_dump(exclude_none=True), status_code=status_code)
+        internals = is_keyed_caller(request)  # addresses and paths: never for a caller without a key
         body = EdgeHealth(
             status=status,
             verifier=verifier,
             fallback=settings.fallback,
             model=engine.model.model_id,
-            draft_model=settings.draft_model,
+            draft_model=settings.draft_model if internals else None,
             draft_backend=request.app.state.draft_backend,
-            verifier_url=settings.verifier_url,
+            verifier_url=settings.verifier_url if internals else None,
             draft_length=settings.draft_length,
             overlap=settings.overlap,
             prefill_first=engine.prefill_first,

@@ -76,8 +76,10 @@ class VerifierIncompatibleError(ServiceUnavailableError):
 
     def __init__(self, base_url: str, wire_version: object) -> None:
         verifier_speaks = "no wire version" if wire_version is None else f"wire version {wire_version!r}"
+        # Clients see this message: it names no address (the log does, for the operator).
+        logger.warning("the verifier at %s speaks %s, this edge wire version %s", base_url, verifier_speaks, WIRE_VERSION)
         super().__init__(
-            f"the verifier at {base_url} speaks {verifier_speaks}, this edge speaks wire version {WIRE_VERSION}: "
+            f"the verifier speaks {verifier_speaks}, this edge speaks wire version {WIRE_VERSION}: "
             "run an edge and a verifier of the same release",
             code="verifier_incompatible",
         )
@@ -212,22 +214,24 @@ class VerifierClient:
     async def post_verify(self, request: VerifyRequest, routing_headers: dict[str, str] | None = None) -> tuple[httpx.Response, int]:
         """POST with retries of lost calls and retryable statuses; returns (response, bytes sent)."""
         if not self.is_reachable:
-            raise ServiceUnavailableError(f"the verifier at {self.base_url} is unreachable (retrying shortly)", code="verifier_unavailable")
+            raise ServiceUnavailableError("the verifier is unreachable (retrying shortly)", code="verifier_unavailable")
         body = request.model_dump_json(exclude_none=True).encode()
         headers = {"content-type": "application/json", SESSION_HEADER: request.session_id} | (routing_headers or {})
         for attempt in range(self.settings.retries + 1):
             try:
                 response = await self._http.post("/v1/verify", content=body, headers=headers)
             except httpx.TransportError as error:
-                failure = f"{type(error).__name__}: {error}"
+                failure, detail = type(error).__name__, f"{type(error).__name__}: {error}"
             else:
                 if response.status_code not in RETRYABLE_STATUSES:
                     return response, len(body)
-                failure = f"HTTP {response.status_code}"
+                failure = detail = f"HTTP {response.status_code}"
             if attempt < self.settings.retries:
                 await asyncio.sleep(self.settings.backoff_s * 2**attempt)
         self._unreachable_until = time.monotonic() + self.settings.circuit_open_s
-        raise ServiceUnavailableError(f"the verifier at {self.base_url} is unavailable ({failure})", code="verifier_unavailable")
+        # Clients see the kind of failure only: a transport error's text may carry the address.
+        logger.warning("the verifier at %s is unavailable: %s", self.base_url, detail)
+        raise ServiceUnavailableError(f"the verifier is unavailable ({failure})", code="verifier_unavailable")
 
     async def aclose(self) -> None:
         if self._background:
@@ -307,7 +311,7 @@ class VerifierSession:
         except UntrustedAnswerError as error:
             await self.client.raise_if_incompatible()
             raise BadGatewayError(
-                f"no valid answer from the verifier at {self.client.base_url} ({error}); nothing of it was emitted",
+                f"no valid answer from the verifier ({error}); nothing of it was emitted",
                 code=BAD_RESPONSE_CODE,
             ) from None
 

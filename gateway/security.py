@@ -78,6 +78,12 @@ def is_trusted_caller(request: Request) -> bool:
     return caller_key_id(request) is not None
 
 
+def is_keyed_caller(request: Request) -> bool:
+    """Keys are configured and the caller presented a valid one: who may read a service's internal
+    addresses and paths (on a service without keys, anyone who reaches it could)."""
+    return bool(caller_key_id(request))
+
+
 def is_valid_key(presented: bytes | None, api_keys: frozenset[bytes]) -> bool:
     """Constant-time comparison against every key (no early exit on the first match)."""
     if presented is None:
