@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from servers import serve, wait_until
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms, processed_probs, sample_from
+from verifier_service.kv_budget import kv_bytes_per_token
 from verifier_service.protocol import SESSION_RESYNC_CODE, WIRE_VERSION, VerifierHealth
 from verifier_support import (
     ENVELOPE_KEYS,
@@ -375,6 +377,13 @@ def verify_metrics(tiny_pair, target_model) -> dict[str, float]:
 )
 def test_verify_metrics_count_exactly(verify_metrics, name, value):
     assert verify_metrics[name] == value
+
+
+def test_kv_cache_bytes_are_the_held_session_s_tokens_at_the_model_s_bytes_per_token(verify_metrics, target_model):
+    per_token = kv_bytes_per_token(target_model.model.config, torch.float32)
+    # The one session holds its 17 committed tokens: the 15 of context, the accepted draft and the
+    # verdict's next token (the 2 rejected drafts were cut); the unknown session holds nothing.
+    assert verify_metrics["spade_verifier_kv_cache_bytes"] == (15 + 1 + 1) * per_token
 
 
 # --- concurrent sessions on a real server -----------------------------------------------------

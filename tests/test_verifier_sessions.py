@@ -9,7 +9,10 @@ import random
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from servers import wait_until
+from verifier_service.app import sweep_interval_s
 from verifier_service.sessions import SessionLimits, SessionRegistry
 from verifier_support import (
     Session,
@@ -67,6 +70,25 @@ def test_idle_session_past_its_ttl_is_evicted_by_other_traffic(tiny_pair, vocab_
         time.sleep(0.1)
         open_session(client, random_tokens(rng, 6, vocab_size), [5])
         assert client.delete(f"/v1/sessions/{idle.session_id}").json()["deleted"] is False
+
+
+def test_idle_session_past_its_ttl_is_dropped_with_its_kv_when_no_call_comes(tiny_pair, vocab_size):
+    with running_verifier(tiny_pair, session_ttl_s=0.2) as client:
+        open_session(client, random_tokens(random.Random(33), 6, vocab_size), [5])
+        assert held(client) == (1, True)
+        # No other call reaches this verifier: its sweep (every TTL / 4) drops the session.
+        assert wait_until(lambda: held(client) == (0, False), timeout_s=30)
+
+
+def held(client) -> tuple[int, bool]:
+    """(sessions held, whether any KV cache bytes are held) from /metrics."""
+    values = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text) for s in f.samples}
+    return int(values["spade_verifier_sessions"]), values["spade_verifier_kv_cache_bytes"] > 0
+
+
+def test_the_sweep_runs_a_quarter_ttl_apart_and_at_least_every_minute():
+    assert sweep_interval_s(0.2) == pytest.approx(0.05)
+    assert sweep_interval_s(600.0) == 60.0
 
 
 # --- the session registry, pure ---------------------------------------------------------------

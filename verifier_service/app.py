@@ -46,10 +46,12 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         loading = asyncio.create_task(_load(app, settings, backend_factory))
+        sweeping = asyncio.create_task(_sweep_expired_sessions(app, sweep_interval_s(settings.session_ttl_s)))
         try:
             yield
         finally:
             loading.cancel()
+            sweeping.cancel()
             service: VerifierService | None = app.state.service
             if service is not None:
                 await service.backend.aclose()
@@ -80,6 +82,22 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     route = settings.target_only_route()
     app.state.engine = create_target_engine(backend, route, app.state.metrics, settings.prefix_sharing)
     logger.info("verifier ready: %s (%s backend, target-only route %s)", backend.model.model_id, backend.name, route)
+
+
+def sweep_interval_s(session_ttl_s: float) -> float:
+    """How often idle sessions past their TTL are dropped when no call comes to drop them: a
+    quarter of the TTL, at most a minute."""
+    return min(60.0, session_ttl_s / 4)
+
+
+async def _sweep_expired_sessions(app: FastAPI, interval_s: float) -> None:
+    """Drop sessions idle past their TTL, and free their KV cache, even on a verifier no call
+    reaches any more (an edge that died mid-request never deletes its session)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        service: VerifierService | None = app.state.service
+        if service is not None:
+            service.drop_expired_sessions()
 
 
 def _kv_budget(backend: VerifierBackend, settings: VerifierSettings) -> KvBudget | None:

@@ -58,6 +58,12 @@ class VerifierMetrics:
             registry=self.registry,
         )
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
+        self.kv_cache_bytes = Gauge(
+            "spade_verifier_kv_cache_bytes",
+            "Bytes of KV cache the sessions and retained shared prefixes hold or have reserved, within "
+            "--max-kv-cache-bytes (0 where the backend keeps no budget, such as vLLM)",
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "spade_verifier_prompt_tokens",
             "Context tokens of the calls that start a cache (new sessions, resyncs, target-only prompts)",

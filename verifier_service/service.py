@@ -82,6 +82,7 @@ class VerifierService:
         self.limits = limits
         self.metrics = metrics
         self.prefix_sharing: PrefixSharing = prefix_sharing
+        metrics.kv_cache_bytes.set_function(lambda: sessions.kv_bytes)  # read at each scrape
 
     async def verify(self, request: VerifyRequest, owner: str = "") -> VerifyResponse:
         """``owner``: the caller's key id (``gateway.security.key_id``; "" without keys): each
@@ -298,6 +299,10 @@ class VerifierService:
                 model_ms=None if verdict.model_s is None else verdict.model_s * 1e3,
             ),
         )
+
+    def drop_expired_sessions(self) -> None:
+        """Evict what is past its TTL or beyond the limits, as a call would before it runs."""
+        self._release(self.sessions.evict())
 
     def _evict(self, keep: str) -> None:
         self._release(self.sessions.evict(keep=keep))

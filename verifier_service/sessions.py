@@ -89,7 +89,8 @@ class SessionRegistry:
         if self.kv_budget is None:
             return 0
         retained = 0 if self.retained is None else self.retained.num_retained_tokens
-        return (sum(session.num_cached_tokens for session in self._sessions.values()) + retained) * self.kv_budget.bytes_per_token
+        sessions = list(self._sessions.values())  # a snapshot, whatever else runs
+        return (sum(session.num_cached_tokens for session in sessions) + retained) * self.kv_budget.bytes_per_token
 
     def reserve(self, session: Session, num_tokens: int) -> list[str]:
         """Reserve cache room for ``session``'s call feeding ``num_tokens`` in all; evicts idle
