@@ -36,6 +36,7 @@ BENCH_EXTRA_HINT = "pip install 'spade-gateway[bench]'"
 
 CAPACITY_EPILOG = """
     spade-bench capacity --help         # the other benchmark: how many edges one verifier serves
+    spade-bench chaos --help            # many edges for a long time while things break under them
 """
 
 
@@ -244,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("spade_bench").setLevel(logging.INFO)  # not the HTTP clients' per-request lines
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chaos"]:  # `spade-bench chaos ...`: many edges while things break (spade_bench.chaos)
+        from spade_bench.chaos.run import main as chaos_main
+
+        return chaos_main(argv[1:])
     if argv[:1] == ["capacity"]:  # `spade-bench capacity ...`: users per verifier (spade_bench.capacity)
         from spade_bench.capacity import main as capacity_main
 

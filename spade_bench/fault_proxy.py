@@ -1,5 +1,6 @@
-"""A fault-injecting HTTP proxy for tests: sits on loopback between the edge and the verifier and
-spoils a share of the verify answers the way a faulty link or a middlebox would.
+"""A fault-injecting HTTP proxy: sits on loopback between the edge and the verifier and spoils a
+share of the verify answers the way a faulty link or a middlebox would (the link tests, and the
+chaos run's "rewritten" link fault, which sets ``rate`` while the fault lasts).
 
 Each verify answer is, with probability ``rate``, hit by one fault drawn from ``kinds``:
 
@@ -68,7 +69,8 @@ def spoil(answer: Answer, kind: str, rng: random.Random) -> Answer:
 
 @dataclass
 class FaultProxy:
-    """An ASGI app relaying to ``upstream_url`` (serve it with tests/servers.py)."""
+    """An ASGI app relaying to ``upstream_url`` (serve it with ``spade_bench.loopback``). ``rate``
+    may be changed while it serves: it applies from the next verify answer on."""
 
     upstream_url: str
     rate: float = 0.0
@@ -88,7 +90,10 @@ class FaultProxy:
         if scope["type"] == "lifespan":
             await _lifespan(receive, send)
             return
-        answer = await self._relay(scope, await _body(receive))
+        try:
+            answer = await self._relay(scope, await _body(receive))
+        except httpx.TransportError:  # the way on is cut: say so, as a proxy in a real path would
+            answer = Answer(502, b"Bad Gateway: the upstream connection failed", "text/plain")
         if scope["path"] == "/v1/verify" and answer.status == 200:
             answer = await self._maybe_spoil(answer)
         await _send(answer, send)

@@ -40,7 +40,8 @@ class LoopbackServer:
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
-            self._thread.join(timeout=30)
+            if self._thread is not None:
+                self._thread.join(timeout=30)
             self._server = self._thread = None
 
 

@@ -47,6 +47,9 @@ class LinkConfig:
     """Link capacity per direction in Mbit/s; None is unlimited."""
     handshake: bool = True
     """A new connection's first bytes wait one RTT more (the TCP three-way handshake)."""
+    down: bool = False
+    """The link is cut: a new connection is closed at once, an open one is dropped as soon as a
+    byte crosses it in either direction (the chaos run's "link dropped for seconds")."""
 
     def __post_init__(self) -> None:
         if self.rtt_ms < 0 or self.jitter_ms < 0:
@@ -157,6 +160,9 @@ class DelayProxy:
 
     async def _relay(self, client_reader, client_writer) -> None:
         self._num_connections += 1
+        if self.link.down:
+            client_writer.close()
+            return
         loop = asyncio.get_running_loop()
         not_before = loop.time() + (self.link.rtt_ms / 1000.0 if self.link.handshake else 0.0)
         try:
@@ -188,6 +194,8 @@ class DelayProxy:
         loop = asyncio.get_running_loop()
         while True:
             data = await reader.read(READ_SIZE)
+            if self.link.down:
+                raise ConnectionResetError("the emulated link is down")
             jitter = self._rng.uniform(-1.0, 1.0) * self.link.jitter_ms / 1000.0
             due = pipe.direction.schedule(max(loop.time(), pipe.not_before), len(data), self.link, jitter)
             pipe.last_due = max(pipe.last_due, due)  # in order: never before the previous chunk

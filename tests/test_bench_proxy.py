@@ -97,6 +97,22 @@ async def test_link_change_applies_to_open_connections():
         assert time.perf_counter() - started >= 0.100
 
 
+async def test_a_link_that_goes_down_drops_open_connections_and_refuses_new_ones_until_it_is_back():
+    async with _linked(LinkConfig()) as (proxy, reader, writer):
+        assert await _round_trip(reader, writer, b"before") == b"before"
+        proxy.link = LinkConfig(down=True)
+        writer.write(b"during")
+        await writer.drain()
+        assert await reader.read() == b""  # dropped: nothing of "during" came back
+        refused_reader, refused_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        assert await refused_reader.read() == b""
+        refused_writer.close()
+        proxy.link = LinkConfig()
+        back_reader, back_writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        assert await _round_trip(back_reader, back_writer, b"after") == b"after"
+        back_writer.close()
+
+
 async def test_unreachable_upstream_closes_the_client():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from edge_support import DONE, edge_app, sse_payloads, verifier_app
-from fault_proxy import FAULT_KINDS, FaultProxy
 from servers import serve
+from spade_bench.fault_proxy import FAULT_KINDS, FaultProxy
 
 pytestmark = pytest.mark.slow  # ~210 requests through three servers: about a minute on a shared CPU
 

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from edge_support import DONE, edge_app, sse_payloads, verifier_app
-from fault_proxy import FaultProxy
 from servers import serve
+from spade_bench.fault_proxy import FaultProxy
 
 MODEL = "target"
 SCHEMAS = yaml.safe_load((Path(__file__).parent / "openai_schemas" / "responses.yaml").read_text())["components"]["schemas"]

@@ -1,0 +1,211 @@
+"""The chaos run's verdicts: pure functions of what was recorded (requests, faults, samples).
+Each check returns a ``Check``: its name, whether it held, the numbers behind it, and the
+violations (a few listed in full)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from spade_bench.chaos.load import RequestRecord
+
+MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    """A fault as it happened: seconds from the load's start."""
+
+    kind: str
+    started_s: float
+    ended_s: float
+    """When the fault was over: the process restarted and healthy, the link restored."""
+    edges: tuple[int, ...] | None
+    """The edges whose requests it may fail; None: every edge (a pool-wide fault)."""
+    detail: str = ""
+    recovered_s: float | None = None
+    """Seconds from ``ended_s`` to the first answer of a probe through an affected edge."""
+    expectation_met: bool = True
+    """For faults with an expected outcome of their own (an edge of another wire version must
+    refuse to start with a message naming both versions)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One look at one process from outside, with what its /metrics said."""
+
+    at_s: float
+    process: str
+    pid: int
+    rss_bytes: int
+    fds: int
+    sockets: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    passed: bool
+    summary: str
+    violations: tuple[str, ...] = ()
+
+
+def check_greedy_exact(records: Iterable[RequestRecord], references: dict[tuple, str]) -> Check:
+    """Greedy answers equal target-only's text; one that ended early (failed or abandoned) is a
+    prefix of it: nothing wrong, nothing duplicated."""
+    checked, violations = 0, []
+    for record in records:
+        if not record.plan.greedy or record.outcome in ("refused", "hung") or record.plan.expects_refusal:
+            continue
+        reference = references.get(record.plan.reference_key())
+        if reference is None:
+            violations.append(f"request {record.plan.index}: no target-only reference for {record.plan.reference_key()}")
+            continue
+        checked += 1
+        exact = record.text == reference if record.outcome == "ok" else reference.startswith(record.text)
+        if not exact:
+            violations.append(f"request {record.plan.index} ({record.outcome}): {record.text[:60]!r} against {reference[:60]!r}")
+    return Check(
+        "greedy text is target-only's", not violations, f"{checked} greedy answers compared, {len(violations)} wrong", _listed(violations)
+    )
+
+
+def check_no_server_errors(records: Iterable[RequestRecord]) -> Check:
+    violations = [
+        f"request {r.plan.index}: HTTP 500 {r.error}"
+        for r in records
+        if r.status is not None and r.status >= 500 and r.status not in (502, 503, 504)
+    ]
+    return Check("no HTTP 500", not violations, f"{len(violations)} answers with an internal error", _listed(violations))
+
+
+def check_errors_shaped(records: Iterable[RequestRecord]) -> Check:
+    """Every HTTP error and every stream error event is OpenAI-shaped; an errored stream still
+    ends with [DONE]."""
+    violations = []
+    for record in records:
+        if record.error is None or "transport" in record.error:
+            continue
+        if not record.error_shaped:
+            violations.append(f"request {record.plan.index}: error not OpenAI-shaped: {record.error}")
+        elif record.plan.stream and record.status == 200 and not record.done:
+            violations.append(f"request {record.plan.index}: an error event without [DONE] after it")
+    return Check("errors are OpenAI-shaped", not violations, f"{len(violations)} malformed errors", _listed(violations))
+
+
+def check_not_hung(records: Iterable[RequestRecord], deadline_s: float) -> Check:
+    hung = [f"request {r.plan.index} to edge {r.plan.edge} at {r.started_s:.1f} s" for r in records if r.outcome == "hung"]
+    return Check("no hung request", not hung, f"{len(hung)} requests sent no byte for {deadline_s:.0f} s", _listed(hung))
+
+
+def in_window(record: RequestRecord, fault: FaultRecord, recovery_bound_s: float) -> bool:
+    """Whether ``record`` overlapped ``fault``'s window (its start to its end plus the bound) on
+    an edge the fault could reach."""
+    if fault.edges is not None and record.plan.edge not in fault.edges:
+        return False
+    return record.started_s <= fault.ended_s + recovery_bound_s and record.ended_s >= fault.started_s
+
+
+def check_failures_in_windows(records: Iterable[RequestRecord], faults: list[FaultRecord], recovery_bound_s: float) -> Check:
+    failed = [r for r in records if r.outcome == "failed" or (r.outcome == "refused" and r.plan.burst and r.status != 429)]
+    outside = [r for r in failed if not any(in_window(r, fault, recovery_bound_s) for fault in faults)]
+    violations = [
+        f"request {r.plan.index} to edge {r.plan.edge}, {r.started_s:.1f}-{r.ended_s:.1f} s: {r.status} {r.error}" for r in outside
+    ]
+    summary = f"{len(failed)} failed requests, {len(outside)} outside every fault window (recovery bound {recovery_bound_s:.0f} s)"
+    return Check("failures only inside fault windows", not outside, summary, _listed(violations))
+
+
+def check_fault_expectations(faults: list[FaultRecord]) -> Check:
+    unmet = [f"{f.kind} at {f.started_s:.1f} s: {f.detail}" for f in faults if not f.expectation_met]
+    unrecovered = [f"{f.kind} at {f.started_s:.1f} s: no answer after it" for f in faults if f.recovered_s is None and f.edges != ()]
+    violations = unmet + unrecovered
+    return Check("every fault recovered as expected", not violations, f"{len(faults)} faults, {len(violations)} not", _listed(violations))
+
+
+def incarnations(samples: Iterable[Sample]) -> dict[tuple[str, int], list[Sample]]:
+    grouped: dict[tuple[str, int], list[Sample]] = defaultdict(list)
+    for sample in samples:
+        grouped[(sample.process, sample.pid)].append(sample)
+    return grouped
+
+
+def check_flat(samples: list[Sample], warm_s: float, load_end_s: float, tolerance: float = 0.10, fd_slack: int = 8) -> Check:
+    """After warm-up, each process that ran through the load keeps its RSS within ``tolerance``
+    and its descriptors within ``tolerance`` (or ``fd_slack``, whichever is larger): the median
+    of its first three samples after warm-up against the median of its last three before the load
+    ended. A process restarted by a fault is judged from its restart on, if it ran long enough."""
+    violations, judged = [], 0
+    span = load_end_s - warm_s
+    for (process, pid), series in incarnations(samples).items():
+        during = [s for s in series if warm_s <= s.at_s <= load_end_s]
+        if len(during) < 6 or during[-1].at_s - during[0].at_s < span / 2:
+            continue
+        judged += 1
+        early, late = during[:3], during[-3:]
+        rss_early, rss_late = statistics.median(s.rss_bytes for s in early), statistics.median(s.rss_bytes for s in late)
+        fds_early, fds_late = statistics.median(s.fds for s in early), statistics.median(s.fds for s in late)
+        if rss_late > rss_early * (1 + tolerance):
+            violations.append(f"{process} (pid {pid}): RSS {rss_early / 2**20:.0f} -> {rss_late / 2**20:.0f} MiB")
+        if fds_late > max(fds_early * (1 + tolerance), fds_early + fd_slack):
+            violations.append(f"{process} (pid {pid}): descriptors {fds_early:.0f} -> {fds_late:.0f}")
+    return Check(
+        "memory and descriptors flat after warm-up",
+        not violations,
+        f"{judged} processes judged from {warm_s:.0f} s to {load_end_s:.0f} s, within {tolerance:.0%}",
+        _listed(violations),
+    )
+
+
+def check_back_to_idle(before: list[Sample], after: list[Sample], tolerance: float = 0.10, fd_slack: int = 8) -> Check:
+    """After the load and the idle wait: the verifiers hold no session, and every process has
+    about the descriptors its name had before the load (within ``tolerance`` or ``fd_slack``)."""
+    violations = []
+    idle_fds = {s.process: s.fds for s in before}
+    for sample in after:
+        sessions = sample.metrics.get("spade_verifier_sessions")
+        if sessions:
+            violations.append(f"{sample.process}: {sessions:.0f} sessions still held")
+        baseline = idle_fds.get(sample.process)
+        if baseline is not None and sample.fds > max(baseline * (1 + tolerance), baseline + fd_slack):
+            violations.append(f"{sample.process}: {sample.fds} descriptors against {baseline} before the load")
+    return Check("back to idle after the load", not violations, f"{len(after)} processes looked at", _listed(violations))
+
+
+@dataclass(frozen=True)
+class MinuteStats:
+    minute: int
+    num_requests: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tokens_per_s: float
+
+
+def per_minute(records: Iterable[RequestRecord]) -> list[MinuteStats]:
+    """By the minute a request ended in: its TTFT's p50/p99 (answered requests) and the tokens
+    of answered requests per second."""
+    by_minute: dict[int, list[RequestRecord]] = defaultdict(list)
+    for record in records:
+        by_minute[int(record.ended_s // 60)].append(record)
+    stats = []
+    for minute in sorted(by_minute):
+        group = by_minute[minute]
+        ttfts = sorted(r.first_byte_s for r in group if r.outcome == "ok" and r.first_byte_s is not None)
+        tokens = sum(r.completion_tokens for r in group if r.outcome == "ok")
+        stats.append(MinuteStats(minute, len(group), percentile(ttfts, 50), percentile(ttfts, 99), tokens / 60.0))
+    return stats
+
+
+def percentile(values: list[float], pct: float) -> float | None:
+    if not values:
+        return None
+    index = min(len(values) - 1, max(0, round(pct / 100 * (len(values) - 1))))
+    return sorted(values)[index]
+
+
+def _listed(violations: list[str]) -> tuple[str, ...]:
+    extra = [f"... and {len(violations) - MAX_LISTED} more"] if len(violations) > MAX_LISTED else []
+    return tuple(violations[:MAX_LISTED] + extra)

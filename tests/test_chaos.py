@@ -1,0 +1,220 @@
+"""The chaos run's parts that decide: the seeded fault schedule and request mix, the client's
+reading of answers (against a scripted edge), and the checks over the records. The whole run
+(real edges, replicas, nginx) runs from .ci/run: `spade-bench chaos --minutes 3`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from spade_bench.chaos import checks
+from spade_bench.chaos.checks import FaultRecord, Sample
+from spade_bench.chaos.load import Client, RequestRecord, is_openai_error, request_body
+from spade_bench.chaos.plan import FAULT_KINDS, LINK_FAULTS, ChaosConfig, RequestMix, RequestPlan, fault_schedule, prompt_text
+
+CONFIG = ChaosConfig(duration_s=600, num_edges=6, num_linked_edges=2, fault_interval_s=30, seed=3)
+
+
+# --- the plan ------------------------------------------------------------------------------
+
+
+def test_the_schedule_is_seeded_cycles_through_every_kind_first_and_ends_quiet():
+    schedule = fault_schedule(CONFIG)
+    assert schedule == fault_schedule(CONFIG)
+    assert schedule != fault_schedule(replace(CONFIG, seed=4))
+    scheduled = [plan for plan in schedule if plan.scheduled]
+    assert [plan.kind for plan in scheduled[: len(FAULT_KINDS)]] == list(FAULT_KINDS)
+    assert all(CONFIG.warmup_s <= plan.start_s <= CONFIG.duration_s - CONFIG.fault_interval_s * 0.3 for plan in schedule)
+    assert [plan.start_s for plan in schedule] == sorted(plan.start_s for plan in schedule)
+
+
+def test_each_fault_is_aimed_at_something_that_exists():
+    for plan in fault_schedule(replace(CONFIG, duration_s=3600)):
+        if plan.kind in LINK_FAULTS:
+            assert 0 <= plan.target < CONFIG.num_linked_edges
+        elif plan.kind == "replica_kill":
+            assert plan.target in (0, 1)
+        else:
+            assert 0 <= plan.target < CONFIG.num_edges
+
+
+def test_a_config_without_a_plain_or_a_linked_edge_is_refused():
+    with pytest.raises(ValueError):
+        ChaosConfig(num_edges=4, num_linked_edges=4)
+    with pytest.raises(ValueError):
+        ChaosConfig(num_edges=4, num_linked_edges=0)
+
+
+def test_the_mix_is_seeded_and_draws_every_kind_of_request():
+    first, second = RequestMix(CONFIG, seed=7), RequestMix(CONFIG, seed=7)
+    plans = [first.next(edge=1) for _ in range(2000)]
+    assert plans == [second.next(edge=1) for _ in range(2000)]
+    assert {plan.endpoint for plan in plans} == {"chat", "completions"}
+    assert {plan.behaviour for plan in plans} == {"normal", "disconnect", "slow"}
+    assert {plan.greedy for plan in plans} == {True, False}
+    assert any(plan.long_prompt for plan in plans) and any(plan.n == 2 for plan in plans) and any(plan.logprobs for plan in plans)
+    assert all(plan.stream for plan in plans if plan.behaviour != "normal")  # hanging up or reading slowly needs a stream
+    assert len({plan.index for plan in plans}) == len(plans)
+
+
+def test_request_bodies_carry_what_the_plan_asks():
+    plan = RequestPlan(1, 0, "chat", True, 0.8, 42, 16, 3, True, False, True, 2, "normal")
+    body = request_body(plan, "tiny", long_words=10)
+    assert body["messages"][0]["role"] == "system" and body["messages"][1]["content"] == prompt_text(3, False, 10)
+    assert body["seed"] == 42 and body["n"] == 2 and body["top_logprobs"] == 2 and body["stream_options"] == {"include_usage": True}
+    greedy = request_body(replace(plan, endpoint="completions", temperature=0.0, stream=False, n=1, logprobs=False), "tiny", 10)
+    assert "seed" not in greedy and "n" not in greedy and greedy["prompt"].endswith(prompt_text(3, False, 10))
+    assert len(prompt_text(3, True, 50).split()) > 50
+
+
+# --- the client, against a scripted edge -----------------------------------------------------
+
+
+def scripted_edge() -> FastAPI:
+    """Answers by the model named: "stream" streams three pieces, "error" streams one then an
+    error event, "raw" sends a 500 that is not JSON; n > 1 is refused as the edge does."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        text = body["model"]
+        if body.get("n", 1) > 1:
+            error = {"message": "only n=1 is supported", "type": "invalid_request_error", "param": "n", "code": None}
+            return JSONResponse({"error": error}, status_code=400)
+        if "raw" in text:
+            return JSONResponse("boom", status_code=500)
+        if not body["stream"]:
+            return {"choices": [{"message": {"content": "whole"}, "finish_reason": "stop"}], "usage": {"completion_tokens": 1}}
+
+        async def events():
+            yield 'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+            if "error" in text:
+                error = {"message": "the verifier is unavailable (ConnectError)", "type": "server_error", "param": None, "code": "x"}
+                yield f"data: {json.dumps({'error': error})}\n\n"
+            else:
+                yield 'data: {"choices": [{"delta": {"content": "b"}, "finish_reason": null}]}\n\n'
+                yield 'data: {"choices": [{"delta": {"content": "c"}, "finish_reason": "stop"}]}\n\n'
+                yield 'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def send(plan: RequestPlan, script: str) -> RequestRecord:
+    """``plan`` sent to the scripted edge, which reads its script from the model name."""
+
+    async def go() -> RequestRecord:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(scripted_edge())) as http:
+            return await Client(http, script, 0, hung_deadline_s=30, clock=lambda: 0.0).send(plan, "http://edge")
+
+    return asyncio.run(go())
+
+
+STREAM = RequestPlan(1, 0, "chat", True, 0.0, 0, 16, 0, False, False, False, 1, "normal")
+
+
+def test_a_complete_stream_is_ok_with_its_text_and_tokens():
+    record = send(STREAM, "stream")
+    assert (record.outcome, record.text, record.finish_reason, record.completion_tokens, record.done) == ("ok", "abc", "stop", 3, True)
+    assert record.first_byte_s is not None
+
+
+def test_a_stream_that_ends_in_an_error_event_failed_shaped_with_its_done():
+    record = send(STREAM, "error")
+    assert (record.outcome, record.text, record.done, record.error_shaped) == ("failed", "a", True, True)
+
+
+def test_a_client_that_hangs_up_abandoned_its_request():
+    record = send(replace(STREAM, behaviour="disconnect"), "stream")
+    assert record.outcome == "abandoned"
+
+
+def test_a_refusal_the_request_asked_for_is_refused_and_a_500_is_failed_unshaped():
+    refused = send(replace(STREAM, stream=False, n=2), "whole")
+    assert (refused.outcome, refused.status, refused.error_shaped) == ("refused", 400, True)
+    broken = send(replace(STREAM, stream=False), "raw")
+    assert (broken.outcome, broken.status, broken.error_shaped) == ("failed", 500, False)
+    assert checks.check_no_server_errors([broken]).passed is False
+    assert checks.check_errors_shaped([broken]).passed is False
+
+
+def test_openai_error_shape():
+    assert is_openai_error({"error": {"message": "m", "type": "t", "param": None, "code": None}})
+    assert not is_openai_error({"error": {"message": "", "type": "t", "param": None, "code": None}})
+    assert not is_openai_error({"detail": "Not Found"})
+
+
+# --- the checks ----------------------------------------------------------------------------
+
+
+def record(plan: RequestPlan, outcome="ok", text="abc", started=10.0, ended=11.0, status=200) -> RequestRecord:
+    return RequestRecord(plan, started, ended, 0.1, outcome, status, text, "stop", 3, None, True, True)
+
+
+def test_greedy_text_must_equal_the_reference_and_an_early_end_must_be_a_prefix():
+    references = {STREAM.reference_key(): "abcdef"}
+    assert checks.check_greedy_exact([record(STREAM, text="abcdef"), record(STREAM, "failed", "abc")], references).passed
+    assert not checks.check_greedy_exact([record(STREAM, text="abcdeX")], references).passed
+    assert not checks.check_greedy_exact([record(STREAM, "failed", "abX")], references).passed
+    sampled = replace(STREAM, temperature=0.8)
+    assert checks.check_greedy_exact([record(sampled, text="anything")], references).passed
+
+
+def test_a_failure_passes_only_inside_a_window_on_an_edge_the_fault_reached():
+    link_fault = FaultRecord("link_drop", 100.0, 105.0, (2,))
+    on_edge_2 = record(replace(STREAM, edge=2), "failed", started=104.0, ended=104.5, status=503)
+    on_edge_3 = record(replace(STREAM, edge=3), "failed", started=104.0, ended=104.5, status=503)
+    long_after = record(replace(STREAM, edge=2), "failed", started=140.0, ended=141.0, status=503)
+    assert checks.check_failures_in_windows([on_edge_2], [link_fault], recovery_bound_s=20).passed
+    assert not checks.check_failures_in_windows([on_edge_3], [link_fault], recovery_bound_s=20).passed
+    assert not checks.check_failures_in_windows([long_after], [link_fault], recovery_bound_s=20).passed
+    pool_fault = FaultRecord("verifier_kill", 100.0, 110.0, None)
+    assert checks.check_failures_in_windows([on_edge_3], [pool_fault], recovery_bound_s=20).passed
+
+
+def test_hung_requests_and_unrecovered_faults_fail():
+    assert not checks.check_not_hung([record(STREAM, "hung")], 60).passed
+    assert checks.check_not_hung([record(STREAM)], 60).passed
+    assert not checks.check_fault_expectations([FaultRecord("replica_kill", 1, 2, None, recovered_s=None)]).passed
+    assert not checks.check_fault_expectations([FaultRecord("wire_mismatch_edge", 1, 2, (), "exited 0", 0.0, False)]).passed
+    assert checks.check_fault_expectations([FaultRecord("replica_kill", 1, 2, None, recovered_s=0.4)]).passed
+
+
+def series(process: str, pid: int, rss_mib: list[float], fds: list[int], start=20.0, step=10.0) -> list[Sample]:
+    return [Sample(start + i * step, process, pid, int(r * 2**20), f, 0) for i, (r, f) in enumerate(zip(rss_mib, fds, strict=True))]
+
+
+def test_memory_must_stay_flat_after_warm_up_per_incarnation():
+    flat = series("edge-00", 10, [300, 302, 299, 301, 303, 300, 302, 301], [40] * 8)
+    assert checks.check_flat(flat, warm_s=20, load_end_s=90).passed
+    leaking = series("edge-00", 10, [300, 310, 320, 330, 340, 350, 360, 370], [40] * 8)
+    assert not checks.check_flat(leaking, warm_s=20, load_end_s=90).passed
+    fd_leak = series("verifier-a", 11, [300] * 8, [40, 45, 50, 55, 60, 65, 70, 75])
+    assert not checks.check_flat(fd_leak, warm_s=20, load_end_s=90).passed
+    # A restart is a new incarnation: its fresh RSS is not compared with the old one's.
+    restarted = series("edge-00", 10, [500] * 4, [40] * 4) + series("edge-00", 12, [300] * 8, [40] * 8, start=20)
+    assert checks.check_flat(restarted, warm_s=20, load_end_s=90).passed
+
+
+def test_back_to_idle_wants_no_session_held_and_the_descriptors_of_before():
+    before = [Sample(0, "verifier-a", 1, 0, 30, 5)]
+    assert checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 33, 5, {"spade_verifier_sessions": 0})]).passed
+    assert not checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 33, 5, {"spade_verifier_sessions": 2})]).passed
+    assert not checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 90, 5)]).passed
+
+
+def test_per_minute_latency_and_rate():
+    records = [record(STREAM, started=s, ended=s + 1) for s in (1, 2, 3, 61, 62)]
+    minutes = checks.per_minute(records)
+    assert [(m.minute, m.num_requests) for m in minutes] == [(0, 3), (1, 2)]
+    assert minutes[0].tokens_per_s == pytest.approx(9 / 60)
+    assert checks.percentile([1.0, 2.0, 3.0], 50) == 2.0 and checks.percentile([], 50) is None
