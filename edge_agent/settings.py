@@ -32,6 +32,10 @@ class EdgeSettings(ServiceSettings):
             "'transformers' loads any checkpoint (a GGUF one dequantized); 'auto' picks llamacpp for a GGUF "
             "draft on the CPU when cyllama is installed."
         ),
+        json_schema_extra={
+            "advanced": True,
+            "default_note": "depends on the machine: llamacpp for a GGUF draft on the CPU with cyllama installed, else transformers",
+        },
     )
     max_draft_sessions: int = Field(
         96,
@@ -42,6 +46,7 @@ class EdgeSettings(ServiceSettings):
             "adding little); more are answered 429. Keep it above --max-concurrent-requests (a session closes a "
             "moment after its request ends)."
         ),
+        json_schema_extra={"advanced": True},
     )
     draft_length: int | Literal["auto"] = Field(
         "auto",
@@ -56,6 +61,7 @@ class EdgeSettings(ServiceSettings):
             "Draft the next block while the verifier checks this one; the pre-drafted tokens are used only "
             "when the verdict runs through the draft's guess of the next token."
         ),
+        json_schema_extra={"advanced": True},
     )
     edge_power: EdgePower = Field(
         DEFAULT_EDGE_POWER,
@@ -74,9 +80,20 @@ class EdgeSettings(ServiceSettings):
             "(with --overlap, and drafts ahead of that token). With --overlap false the draft waits for that "
             "first token."
         ),
+        json_schema_extra={"advanced": True},
     )
-    max_draft_length: int = Field(16, ge=1, description="Longest draft length --draft-length auto chooses.")
-    max_draft_support: int = Field(32, ge=1, description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).")
+    max_draft_length: int = Field(
+        16,
+        ge=1,
+        description="Longest draft length --draft-length auto chooses (the verifier's --max-draft-length caps any).",
+        json_schema_extra={"advanced": True},
+    )
+    max_draft_support: int = Field(
+        32,
+        ge=1,
+        description="Tokens kept in each drafted distribution sent to the verifier (temperature > 0).",
+        json_schema_extra={"advanced": True},
+    )
     max_continued_tokens: int = Field(
         8,
         ge=0,
@@ -87,9 +104,12 @@ class EdgeSettings(ServiceSettings):
             " token; they then reach the caller together. The call that brings a request's first token allows none (that"
             " token goes out at once). 0: one call per token."
         ),
+        json_schema_extra={"advanced": True},
     )
-    verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.")
-    verify_retries: int = Field(2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.")
+    verify_timeout_s: float = Field(60.0, gt=0, description="Timeout of one verify call.", json_schema_extra={"advanced": True})
+    verify_retries: int = Field(
+        2, ge=0, description="Retries of a lost verify call or a 429/502/503/504 answer.", json_schema_extra={"advanced": True}
+    )
     fallback: Literal["error", "draft"] = Field(
         "error",
         description=(
@@ -101,8 +121,14 @@ class EdgeSettings(ServiceSettings):
         5.0,
         gt=0,
         description="After the verifier is found unreachable, fail (or fall back) at once for this long before trying it again.",
+        json_schema_extra={"advanced": True},
     )
-    startup_timeout_s: float = Field(900.0, gt=0, description="How long to wait at start-up for the verifier's /health to report ok.")
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long to wait at start-up for the verifier's /health to report ok.",
+        json_schema_extra={"advanced": True},
+    )
     verifier_api_key: str | None = Field(None, description="API key the edge sends to the verifier (Authorization: Bearer).")
     verifier_api_key_file: str | None = Field(None, description="File holding the verifier API key (its first line).")
     trusted_hosts: str | None = Field(
@@ -111,6 +137,7 @@ class EdgeSettings(ServiceSettings):
             "Host headers the edge answers, comma-separated ('*' = any); default: the loopback names when "
             "listening on loopback (DNS rebinding), any otherwise."
         ),
+        json_schema_extra={"advanced": True, "default_note": "the loopback names when listening on loopback, else any"},
     )
 
     @field_validator("draft_length", mode="before")

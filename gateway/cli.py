@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 if typing.TYPE_CHECKING:
@@ -66,34 +67,59 @@ def ordered_fields(settings_class: type[BaseSettings]) -> list[str]:
     return own + [name for name in settings_class.model_fields if name in inherited]
 
 
+ADVANCED_TITLE = "advanced options"
+ADVANCED_DESCRIPTION = "Tuning a user seldom sets: each default is the measured or safe choice (docs/configuration.md)."
+FIELD_MARKERS = frozenset({"advanced", "default_note"})
+"""The keys a setting's ``json_schema_extra`` may carry: ``advanced`` (True: listed after the
+user-facing flags) and ``default_note`` (what an unset or machine-dependent default comes to)."""
+
+
+def field_markers(field: FieldInfo) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return dict(extra) if isinstance(extra, dict) else {}
+
+
+def is_advanced(field: FieldInfo) -> bool:
+    """A flag a user would not touch (scheduler, kernels, timeouts): ``json_schema_extra={"advanced": True}``."""
+    return field_markers(field).get("advanced") is True
+
+
+def env_var_name(settings_class: type[BaseSettings], name: str) -> str:
+    return f"{settings_class.model_config.get('env_prefix', '')}{name}".upper()
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
-    env_prefix = settings_class.model_config.get("env_prefix", "")
+    """User-facing flags in the parser's own group, the advanced ones in a group after them."""
+    advanced = parser.add_argument_group(ADVANCED_TITLE, ADVANCED_DESCRIPTION)
     for name in ordered_fields(settings_class):
         field = settings_class.model_fields[name]
-        env_name = f"{env_prefix}{name}".upper()
-        default = "(none)" if field.default is None else field.default
-        # A bool setting given alone is true (--allow-no-auth); a value still works (--overlap false).
-        switch: dict[str, Any] = {"nargs": "?", "const": "true", "metavar": "BOOL"} if field.annotation is bool else {}
-        # Allowed values go in the help, not argparse choices: pydantic validates (and may
-        # normalise, e.g. INFO -> info) and its message names the flag.
-        values = allowed_values(field.annotation)
-        choices = f" One of: {', '.join(values)}." if values else ""
-        parser.add_argument(
-            flag_name(name),
+        add_setting_argument(advanced if is_advanced(field) else parser, name, field, env_var_name(settings_class, name))
+
+
+def add_setting_argument(group: argparse._ActionsContainer, name: str, field: FieldInfo, env_name: str) -> None:
+    default = "(none)" if field.default is None else field.default
+    # A bool setting given alone is true (--allow-no-auth); a value still works (--overlap false).
+    switch: dict[str, Any] = {"nargs": "?", "const": "true", "metavar": "BOOL"} if field.annotation is bool else {}
+    # Allowed values go in the help, not argparse choices: pydantic validates (and may
+    # normalise, e.g. INFO -> info) and its message names the flag.
+    values = allowed_values(field.annotation)
+    choices = f" One of: {', '.join(values)}." if values else ""
+    group.add_argument(
+        flag_name(name),
+        dest=name,
+        default=argparse.SUPPRESS,
+        help=f"{plain_text(field.description or '')}{choices} [env {env_name}; default {default}]",
+        **switch,
+    )
+    if field.annotation is bool:
+        group.add_argument(
+            "--no-" + flag_name(name)[2:],
             dest=name,
+            action="store_const",
+            const="false",
             default=argparse.SUPPRESS,
-            help=f"{plain_text(field.description or '')}{choices} [env {env_name}; default {default}]",
-            **switch,
+            help=f"Same as {flag_name(name)} false.",
         )
-        if field.annotation is bool:
-            parser.add_argument(
-                "--no-" + flag_name(name)[2:],
-                dest=name,
-                action="store_const",
-                const="false",
-                default=argparse.SUPPRESS,
-                help=f"Same as {flag_name(name)} false.",
-            )
 
 
 def settings_from_arguments(
@@ -128,11 +154,18 @@ class QuietAccessLog(logging.Filter):
         return not (path in self.paths and isinstance(status, int) and status < 400)
 
 
-def run_service(prog: str, description: str, settings_class: type[ServiceSettings], create_app: Callable, argv: list[str] | None) -> None:
-    """Parse flags into settings, set up logging and torch threads, serve the app."""
-    parser = argparse.ArgumentParser(prog=prog, description=plain_text(description))
+def service_parser(prog: str, description: str, settings_class: type[BaseSettings]) -> argparse.ArgumentParser:
+    """A service's command line: --version, then its settings as flags, user-facing ones first."""
+    # The usage line names no flag: listing all forty would bury the user-facing group below it.
+    parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s [options]", description=plain_text(description))
     add_version_argument(parser)
     add_settings_arguments(parser, settings_class)
+    return parser
+
+
+def run_service(prog: str, description: str, settings_class: type[ServiceSettings], create_app: Callable, argv: list[str] | None) -> None:
+    """Parse flags into settings, set up logging and torch threads, serve the app."""
+    parser = service_parser(prog, description, settings_class)
     settings = settings_from_arguments(parser, parser.parse_args(argv), settings_class)
     # Heavy imports only now that there is something to serve.
     import uvicorn

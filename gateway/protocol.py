@@ -256,12 +256,17 @@ class CompletionRequest(_GenerationFields):
 
 
 class SpadeStats(BaseModel):
-    """Per-request speculative-decoding accounting (an extension to OpenAI's schema)."""
+    """Per-request speculative-decoding accounting (an extension to OpenAI's schema). Each
+    field's docstring is its description (in the OpenAPI document and docs/metrics.md)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
 
     verify_calls: int = 0
     """Calls to the verifier; for target-only decoding, the target's forward passes."""
     drafted_tokens: int = 0
+    """Drafted tokens sent for verification: the blocks' lengths summed."""
     accepted_tokens: int = 0
+    """Of those, tokens the target accepted."""
     target_tokens: int = 0
     """Tokens that went through the target's forward passes, rejected drafts included."""
     resyncs: int = 0
@@ -280,6 +285,7 @@ class SpadeStats(BaseModel):
     verify_ms: float = 0.0
     """Round trips of the verify calls, network and queueing included."""
     verifier_forward_ms: float = 0.0
+    """The verifier's forward passes and acceptance math for this request's calls, as it reported them (``timings.forward_ms``)."""
     advised_draft_length: int | None = None
     """The longest block the verifier's last verdict advised (its limit while it has idle time,
     shorter when its forwards follow each other, 0 where no drafted row pays); None for

@@ -220,8 +220,8 @@ def test_the_demo_drafts_as_a_default_edge_does_and_its_line_says_so(monkeypatch
     )
 
 
-# Every flag the services take (README's configuration tables): none lost when their settings
-# came to share a base class.
+# Every flag the services take (docs/configuration.md): none lost when their settings came to
+# share a base class, or when they were split into user-facing and advanced groups.
 SERVICE_FLAGS = {
     "spade-verifier": (
         "model gguf-file served-model-name backend host port device dtype threads max-context-length max-draft-length "

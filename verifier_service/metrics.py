@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from verifier_service.backends.base import BlockVerdict, ForwardRecord
+if TYPE_CHECKING:  # the backend contract pulls in torch; building the registry (docs/metrics.md) must not
+    from verifier_service.backends.base import BlockVerdict, ForwardRecord
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 ADVICE_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64)

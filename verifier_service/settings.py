@@ -21,16 +21,23 @@ class VerifierSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPADE_VERIFIER_", protected_namespaces=())
 
     model: str = Field("qwen2.5-coder-1.5b-instruct", description="Target model: HF id, local directory, .gguf path or spade-models name.")
-    served_model_name: str | None = Field(None, description="Model id clients pass; defaults to the model's name.")
+    served_model_name: str | None = Field(
+        None, description="Model id clients pass; defaults to the model's name.", json_schema_extra={"default_note": "the model's name"}
+    )
     backend: Literal["transformers", "vllm"] = Field("transformers", description="Engine running the target.")
     port: int = Field(8001, ge=0, le=65535, description="Port to listen on.")
     max_context_length: int | None = Field(
         None,
         ge=2,
         description="Override the model's context length (the vLLM backend serves one token less: room for the token it returns).",
+        json_schema_extra={"default_note": "the model's own"},
     )
-    max_draft_length: int = Field(64, ge=1, description="Longest draft length (drafted tokens) one verify call may carry.")
-    max_draft_support: int = Field(256, ge=1, description="Most tokens in one drafted position's distribution.")
+    max_draft_length: int = Field(
+        64, ge=1, description="Longest draft length (drafted tokens) one verify call may carry.", json_schema_extra={"advanced": True}
+    )
+    max_draft_support: int = Field(
+        256, ge=1, description="Most tokens in one drafted position's distribution.", json_schema_extra={"advanced": True}
+    )
     max_continued_tokens: int = Field(
         64,
         ge=0,
@@ -39,17 +46,22 @@ class VerifierSettings(ServiceSettings):
             "Most tokens one verify call may have the verifier decode on by itself while its advice is 0 (past the point"
             " where a drafted row pays: one call per that many tokens instead of one per token); 0: never."
         ),
+        json_schema_extra={"advanced": True},
     )
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
-    max_session_tokens: int = Field(2_000_000, ge=1, description="Committed tokens kept over all sessions.")
-    session_ttl_s: float = Field(600.0, gt=0, description="Idle seconds before a session is dropped.")
+    max_session_tokens: int = Field(
+        2_000_000, ge=1, description="Committed tokens kept over all sessions.", json_schema_extra={"advanced": True}
+    )
+    session_ttl_s: float = Field(600.0, gt=0, description="Idle seconds before a session is dropped.", json_schema_extra={"advanced": True})
     max_kv_cache_bytes: int | None = Field(
         None,
         ge=1,
         description=(
-            "--backend transformers: bytes all sessions' KV caches may hold (idle sessions are evicted first,"
-            " then calls get 429); default: 4 GiB or one full context, whichever is larger."
+            "--backend transformers: bytes all sessions' KV caches (and retained prefix caches) may hold; retained prefix"
+            " caches go first, then idle sessions are evicted, then calls get 429 kv_cache_full;"
+            " default: 4 GiB or one full context, whichever is larger."
         ),
+        json_schema_extra={"default_note": "4 GiB or one full context, whichever is larger"},
     )
     max_batch_sessions: int = Field(
         8,
@@ -57,6 +69,7 @@ class VerifierSettings(ServiceSettings):
         description=(
             "--backend transformers: most sessions whose verify calls (or target-only steps) share one forward; 1 = one call at a time."
         ),
+        json_schema_extra={"advanced": True},
     )
     max_forward_rows: int = Field(
         128,
@@ -65,11 +78,13 @@ class VerifierSettings(ServiceSettings):
             "--backend transformers: most rows (tokens fed) in one forward; a longer prompt is prefilled in chunks that share"
             " forwards with other sessions' blocks, so no block waits behind a whole prompt."
         ),
+        json_schema_extra={"advanced": True},
     )
     batch_wait_ms: float = Field(
         2.0,
         ge=0,
         description="--backend transformers: shortest wait for more sessions before a forward runs while the target is idle.",
+        json_schema_extra={"advanced": True},
     )
     batch_hold_rule: Literal["cost", "fraction"] = Field(
         "cost",
@@ -78,11 +93,13 @@ class VerifierSettings(ServiceSettings):
             " many edges' calls share forwards: cost = while the wait costs less than the forward's fixed part it saves"
             " (scaled by --batch-hold-scale); fraction = for sessions due within --batch-hold-fraction of its expected time."
         ),
+        json_schema_extra={"advanced": True},
     )
     batch_hold_scale: float = Field(
         1.0,
         ge=0,
         description="--backend transformers, --batch-hold-rule cost: multiplies the wait the rule allows; 0 = never hold.",
+        json_schema_extra={"advanced": True},
     )
     batch_hold_fraction: float = Field(
         0.25,
@@ -92,6 +109,7 @@ class VerifierSettings(ServiceSettings):
             "--backend transformers, --batch-hold-rule fraction: a forward waits up to this fraction of its expected time"
             " for a session whose next call is due within it; 0 = never hold."
         ),
+        json_schema_extra={"advanced": True},
     )
     batch_hold_late_deviations: float = Field(
         2.0,
@@ -100,14 +118,17 @@ class VerifierSettings(ServiceSettings):
             "--backend transformers: a forward holding for a session waits this many mean deviations of its gaps past"
             " its expected call (at most a one-row forward's time) before giving up on it; 0 = only until the expected time."
         ),
+        json_schema_extra={"advanced": True},
     )
     fast_kernels: bool = Field(
         True,
         description=(
             "--backend transformers, CPU, float32: linear layers through the verifier's own kernel (reads "
             "each weight once for the whole block) and attention without per-head KV copies, for the verify "
-            "and target-only routes alike; --no-fast-kernels runs stock transformers."
+            "and target-only routes alike; --no-fast-kernels runs stock transformers. Needs a C compiler and AVX2 or AVX-512 "
+            "(built once into the model cache); without them the linears are stock, logged."
         ),
+        json_schema_extra={"advanced": True},
     )
     cpu_kernel_isa: Literal["auto", "AVX512", "AVX2"] = Field(
         "auto",
@@ -116,6 +137,7 @@ class VerifierSettings(ServiceSettings):
             " measures what an AVX2-only machine would do, or avoids AVX-512 where it lowers the core's clock; an ISA"
             " the CPU lacks is an error at start."
         ),
+        json_schema_extra={"advanced": True, "default_note": "depends on the machine: the best this CPU runs"},
     )
     batch_invariant: bool = Field(
         True,
@@ -123,8 +145,9 @@ class VerifierSettings(ServiceSettings):
             "--backend transformers, CPU, float32: each row's logits independent of what shares the forward (the "
             "same kernel, attention row by row), so greedy SPADE output equals target-only by construction; as fast as "
             "the fast mode where measured. By default on where the compiled CPU kernel runs (else the fast mode); "
-            "asked for explicitly where it cannot be met (GPU, bfloat16, vLLM), an error."
+            "asked for explicitly where it cannot be met (GPU, bfloat16, vLLM), an error; --no-batch-invariant runs the fast mode."
         ),
+        json_schema_extra={"advanced": True, "default_note": "on where the compiled CPU kernel runs, else off"},
     )
     prefix_sharing: Literal["per-key", "global", "off"] = Field(
         "per-key",
@@ -133,25 +156,35 @@ class VerifierSettings(ServiceSettings):
             " in the time to first token): per-key = only requests of one API key (all callers without keys) and one"
             " cache_salt; global = any requests with the same cache_salt; off = none."
         ),
+        json_schema_extra={"advanced": True},
     )
-    vllm_block_size: int = Field(32, ge=1, description="--backend vllm: KV block size (CPU attention needs a multiple of 32).")
-    vllm_kv_cache_gib: float = Field(1.0, gt=0, description="--backend vllm: KV cache size in GiB (must hold the model's context length).")
+    vllm_block_size: int = Field(
+        32, ge=1, description="--backend vllm: KV block size (CPU attention needs a multiple of 32).", json_schema_extra={"advanced": True}
+    )
+    vllm_kv_cache_gib: float = Field(
+        1.0,
+        gt=0,
+        description="--backend vllm: KV cache size in GiB (must hold the model's context length).",
+        json_schema_extra={"advanced": True},
+    )
     vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field(
         "sample_match",
         description=(
             "--backend vllm, temperature > 0: vLLM samples each position and drafts are matched "
             "(sample_match), or full-vocabulary logprobs feed the acceptance rule (full_logprobs, heavy)."
         ),
+        json_schema_extra={"advanced": True},
     )
 
     target_route: Literal["native", "verify-steps"] | None = Field(
         None,
         description=(
             "How the OpenAI routes decode target-only: native, one vLLM request per generation streamed from vLLM's own"
-            " decode loop (--backend vllm only; vLLM's speed); verify-steps, one verify call with an empty block per token,"
-            " the very code that verifies drafts (greedy SPADE equals it by construction). Default: native on --backend vllm,"
-            " verify-steps on transformers (its only route)."
+            " decode loop (--backend vllm only; vLLM's speed; logprobs at temperature 0 only); verify-steps, one verify call"
+            " with an empty block per token, the very code that verifies drafts (greedy SPADE equals it by construction)."
+            " Default: native on --backend vllm, verify-steps on transformers (its only route)."
         ),
+        json_schema_extra={"advanced": True, "default_note": "native on --backend vllm, else verify-steps"},
     )
 
     @field_validator("target_route")
