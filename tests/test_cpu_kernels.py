@@ -168,6 +168,18 @@ def kernel_has_populate_write() -> bool:
     return (major, minor) >= (5, 14)
 
 
+def test_an_unwritable_cache_builds_the_kernel_in_the_fallback_directory(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache should be: nothing can be created under it, even by root")
+    monkeypatch.setattr(cpu_kernels, "fallback_kernel_dir", lambda: tmp_path / "fallback")
+    built = load_kernel_library(blocker / "cache")
+    assert built is not None and built.path.parent == tmp_path / "fallback"
+    assert "cannot build or load in" in caplog.text and str(blocker) in caplog.text
+    rows = torch.randn(2, 40)
+    weight = torch.randn(16, 40)
+    torch.testing.assert_close(built.linear(rows, weight, None), rows @ weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_prefaulting_for_writing_keeps_the_contents_and_leaves_the_file_alone(tmp_path):
     # A privately memory-mapped file, as a safetensors checkpoint is loaded; the tensor starts
     # mid-page, so its first page holds values before it too.

@@ -141,14 +141,23 @@ def build_library(source: Path, cache_dir: Path, isa: str | None = None) -> tupl
     if isa is None or compiler is None:
         logger.warning("CPU kernels unavailable: %s", "no AVX2/AVX-512" if isa is None else "no C compiler (gcc/cc)")
         return None
-    path = cache_dir / "kernels" / f"{source.stem}-{isa.lower()}-{kernel_digest(compiler, isa, source)}.so"
-    try:
-        if not path.is_file() and not compile_kernel(compiler, ISA_FLAGS[isa], path, source):
-            return None
-        return ctypes.CDLL(str(path)), isa, path
-    except OSError as error:  # an unwritable cache, a library that does not load
-        logger.warning("CPU kernels unavailable: %s", error)
-        return None
+    name = f"{source.stem}-{isa.lower()}-{kernel_digest(compiler, isa, source)}.so"
+    for directory in (cache_dir / "kernels", fallback_kernel_dir()):
+        path = directory / name
+        try:
+            if not path.is_file() and not compile_kernel(compiler, ISA_FLAGS[isa], path, source):
+                return None
+            return ctypes.CDLL(str(path)), isa, path
+        except OSError as error:  # an unwritable cache (then the fallback), a library that does not load
+            logger.warning("CPU kernels: cannot build or load in %s: %s", directory, error)
+    logger.warning("CPU kernels unavailable: neither %s nor %s is usable", cache_dir / "kernels", fallback_kernel_dir())
+    return None
+
+
+def fallback_kernel_dir() -> Path:
+    """Where the kernel is built when the cache directory cannot be written (a read-only volume):
+    a directory of this user's in the system's temp directory, built again after a reboot."""
+    return Path(tempfile.gettempdir()) / f"spade-kernels-{os.getuid()}"
 
 
 def kernel_digest(compiler: str, isa: str, source: Path = KERNEL_SOURCE) -> str:
