@@ -40,6 +40,8 @@ class ServiceSpec:
     threads: int
     log_dir: Path
     port: int = field(default_factory=lambda: free_port())
+    extra_env: tuple[tuple[str, str], ...] = ()
+    """Environment variables set for this service alone (name, value)."""
 
     @property
     def argv(self) -> list[str]:
@@ -131,7 +133,11 @@ class Service:
         argv = [taskset, "-c", cores, *self.spec.argv] if taskset else self.spec.argv
         logger.info("starting %s: %s", self.spec.name, " ".join(argv))
         self._process = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=pinned_env(self.spec.threads), start_new_session=True
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=pinned_env(self.spec.threads) | dict(self.spec.extra_env),
+            start_new_session=True,
         )
         if not taskset:
             os.sched_setaffinity(self._process.pid, set(self.spec.cores))

@@ -147,6 +147,11 @@ def test_a_refusal_the_request_asked_for_is_refused_and_a_500_is_failed_unshaped
     assert checks.check_errors_shaped([broken]).passed is False
 
 
+def test_a_request_the_api_refuses_must_not_be_answered():
+    answered = record(replace(STREAM, n=2))
+    assert not checks.check_errors_shaped([answered]).passed
+
+
 def test_openai_error_shape():
     assert is_openai_error({"error": {"message": "m", "type": "t", "param": None, "code": None}})
     assert not is_openai_error({"error": {"message": "", "type": "t", "param": None, "code": None}})

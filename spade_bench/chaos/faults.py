@@ -86,7 +86,8 @@ class FaultRunner:
             except Exception as error:  # a fault that could not be carried out is a failed expectation
                 logger.exception("chaos: %s failed", plan.kind)
                 record = FaultRecord(plan.kind, started, self.clock(), None, f"could not be carried out: {error!r}", None, False)
-            self.records.append(self._probed(record))
+            record = self._probed(record)
+            self.records.append(record)
             logger.warning("chaos: %s over at %.1f s, answered again after %s s", plan.kind, record.ended_s, record.recovered_s)
 
     def execute(self, plan: FaultPlan, started: float) -> FaultRecord:
@@ -130,6 +131,8 @@ class FaultRunner:
             return FaultRecord(kind, started, self.clock(), None, "a prompt near the context limit to every edge at once")
         if kind == "wire_mismatch_edge":
             return self._other_wire_edge(started)
+        if kind == "unwritable_cache":
+            return self._unwritable_cache(started)
         raise ValueError(f"unknown fault {kind!r}")
 
     def _other_wire_edge(self, started: float) -> FaultRecord:
@@ -146,6 +149,26 @@ class FaultRunner:
         met = code not in (None, 0) and f"wire version {OTHER_WIRE_VERSION}" in log
         detail = f"exited with {code}; " + ("named both versions" if met else f"log tail: {log[-300:]!r}")
         return FaultRecord("wire_mismatch_edge", started, self.clock(), (), detail, 0.0, met)
+
+    def _unwritable_cache(self, started: float) -> FaultRecord:
+        """A verifier whose cache directory cannot be written starts: it must come up, serve a
+        request, and say in its log where it built its kernel instead."""
+        service = Service(self.stack.unwritable_cache_replica()).start()
+        try:
+            service.wait_healthy(self.recovery_bound_s)
+            body = {"model": "any", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2, "temperature": 0}
+            models = httpx.get(service.url + "/v1/models", timeout=30).json()["data"]
+            answered = httpx.post(service.url + "/v1/chat/completions", json=body | {"model": models[0]["id"]}, timeout=60).status_code
+            log = service.log_tail()
+            met = answered == 200 and "cannot build or load in" in log
+            detail = f"started and answered {answered}; " + (
+                "built its kernel in the fallback directory" if met else f"log tail {log[-300:]!r}"
+            )
+        except (TimeoutError, RuntimeError, httpx.HTTPError) as error:
+            met, detail = False, f"did not serve: {error!r}"[:400]
+        finally:
+            service.stop()
+        return FaultRecord("unwritable_cache", started, self.clock(), (), detail, 0.0, met)
 
     def _probed(self, record: FaultRecord) -> FaultRecord:
         """``record`` with the time until an affected edge answers a short greedy request."""

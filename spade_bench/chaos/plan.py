@@ -18,6 +18,7 @@ FaultKind = Literal[
     "rate_burst",
     "kv_exhaustion",
     "wire_mismatch_edge",
+    "unwritable_cache",
 ]
 FAULT_KINDS: tuple[FaultKind, ...] = (
     "replica_kill",
@@ -30,6 +31,7 @@ FAULT_KINDS: tuple[FaultKind, ...] = (
     "link_rewrite",
     "verifier_kill",
     "wire_mismatch_edge",
+    "unwritable_cache",
 )
 """Every kind, in the order a schedule first cycles through them."""
 
@@ -98,6 +100,7 @@ FAULT_DURATIONS_S: dict[FaultKind, float] = {
     "rate_burst": 3.0,
     "kv_exhaustion": 10.0,
     "wire_mismatch_edge": 0.0,
+    "unwritable_cache": 0.0,
 }
 """How long each kind lasts: a killed process stays down this long before it is restarted; a
 link stays delayed, cut or rewriting this long. 0: the fault is an instant (the restart follows
@@ -120,7 +123,7 @@ def fault_schedule(config: ChaosConfig) -> list[FaultPlan]:
         index += 1
         if rng.random() < 0.5:
             offset = rng.uniform(0.3, 0.7) * config.fault_interval_s
-            kind = rng.choice([kind for kind in FAULT_KINDS if kind not in ("verifier_kill", "wire_mismatch_edge")])
+            kind = rng.choice([kind for kind in FAULT_KINDS if kind not in ("verifier_kill", "wire_mismatch_edge", "unwritable_cache")])
             plans.append(_planned(kind, start + offset, config, rng, scheduled=False))
         start += config.fault_interval_s
     return plans

@@ -202,6 +202,14 @@ class Stack:
         command = (sys.executable, "-c", code, *argv, "--startup-timeout-s", "60")
         return ServiceSpec("edge-other-wire", command, _all_cores(), 1, self.log_dir)
 
+    def unwritable_cache_replica(self) -> ServiceSpec:
+        """A third verifier (outside the pool) whose cache directory cannot be created: it must
+        still start and serve, its kernel built elsewhere."""
+        blocker = self.log_dir / "cache-blocker"
+        blocker.write_text("a file where the cache directory's parent should be")
+        spec = self.replica_spec("verifier-unwritable-cache")
+        return ServiceSpec(spec.name, spec.command, spec.cores, 1, self.log_dir, extra_env=(("SPADE_CACHE_DIR", str(blocker / "cache")),))
+
     def stop(self) -> None:
         for edge in self.edges:
             edge.stop()
