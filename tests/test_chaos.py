@@ -210,6 +210,16 @@ def test_memory_must_stay_flat_after_warm_up_per_incarnation():
     assert checks.check_flat(restarted, warm_s=20, load_end_s=90).passed
 
 
+def test_a_client_pool_s_idle_sockets_are_not_a_leak_but_more_than_its_bound_are():
+    before = [Sample(0, "edge-01", 1, 0, 16, 5)]
+    pooled = Sample(99, "edge-01", 1, 0, 16 + 12, 5 + 12)  # a burst left 12 keep-alive connections
+    assert checks.check_back_to_idle(before, [pooled]).passed
+    leaked = Sample(99, "edge-01", 1, 0, 16 + 40, 5 + 40)
+    assert not checks.check_back_to_idle(before, [leaked]).passed
+    harness = Sample(99, "runner", 1, 0, 500, 400)  # the run's own clients are never judged
+    assert checks.check_back_to_idle([Sample(0, "runner", 1, 0, 60, 10)], [harness]).passed
+
+
 def test_back_to_idle_wants_no_session_held_and_the_descriptors_of_before():
     before = [Sample(0, "verifier-a", 1, 0, 30, 5)]
     assert checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 33, 5, {"spade_verifier_sessions": 0})]).passed

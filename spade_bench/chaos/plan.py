@@ -61,8 +61,12 @@ class ChaosConfig:
     kv_budget_contexts: int = 6
     """Each replica's --max-kv-cache-bytes, in full contexts: the KV-exhaustion fault passes it."""
     sample_interval_s: float = 5.0
-    idle_s: float = 30.0
-    """After the load: how long the services idle before the "back to idle" samples."""
+    session_ttl_s: float = 45.0
+    """The replicas' --session-ttl-s: sessions orphaned by a fault (an edge killed, a link cut
+    before its DELETE) are dropped this long after their last call."""
+    idle_s: float = 75.0
+    """After the load: how long the services idle before the "back to idle" samples (longer than
+    the session TTL and its sweep, a quarter of it)."""
 
     @property
     def warmup_s(self) -> float:

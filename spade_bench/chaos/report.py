@@ -9,12 +9,17 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from spade_bench.chaos.checks import Check, FaultRecord, MinuteStats, Sample, incarnations
+from spade_bench.chaos.checks import Check, FaultRecord, MinuteStats, Sample, in_window, incarnations
 from spade_bench.chaos.load import RequestRecord
 
 
 def markdown(
-    header: list[str], checks: list[Check], faults: list[FaultRecord], records: list[RequestRecord], minutes: list[MinuteStats]
+    header: list[str],
+    checks: list[Check],
+    faults: list[FaultRecord],
+    records: list[RequestRecord],
+    minutes: list[MinuteStats],
+    recovery_bound_s: float,
 ) -> str:
     lines = ["# Chaos run", "", *header, ""]
     lines += ["## Checks", "", "| check | result | numbers |", "| --- | --- | --- |"]
@@ -28,10 +33,22 @@ def markdown(
     )
     lines += ["", "## Requests", "", ", ".join(f"{name} {count}" for name, count in sorted(outcomes.items())) or "none", ""]
     lines += [", ".join(f"{' '.join(kind)} {count}" for kind, count in sorted(kinds.items()))]
-    lines += ["", "## Faults", "", "| start s | kind | over at s | answered again after s | detail |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Faults",
+        "",
+        f"Failed requests are counted in each fault's window (its start to its end plus {recovery_bound_s:.0f} s).",
+    ]
+    lines += [
+        "",
+        "| start s | kind | over at s | answered again after s | failed in window | detail |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    failed = [record for record in records if record.outcome == "failed"]
     for fault in faults:
         recovered = "n/a" if fault.edges == () else ("never" if fault.recovered_s is None else f"{fault.recovered_s:.1f}")
-        lines.append(f"| {fault.started_s:.1f} | {fault.kind} | {fault.ended_s:.1f} | {recovered} | {fault.detail} |")
+        in_it = sum(1 for record in failed if in_window(record, fault, recovery_bound_s))
+        lines.append(f"| {fault.started_s:.1f} | {fault.kind} | {fault.ended_s:.1f} | {recovered} | {in_it} | {fault.detail} |")
     lines += ["", "## Per minute", "", "| minute | requests | TTFT p50 s | TTFT p99 s | tokens/s |", "| --- | --- | --- | --- | --- |"]
     for stats in minutes:
         ttfts = f"{_seconds(stats.ttft_p50_s)} | {_seconds(stats.ttft_p99_s)}"

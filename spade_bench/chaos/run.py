@@ -212,7 +212,7 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
         f"hung deadline {hung_deadline_s:.0f} s.",
         "Sampled requests are checked for shape, errors and windows, not yet token by token against the acceptance rule.",
     ]
-    report = markdown(header, results, fault_records, records, minutes)
+    report = markdown(header, results, fault_records, records, minutes, recovery_bound_s)
     (output / "chaos_report.md").write_text(report)
     write_results(
         output / "results.json", records, fault_records, monitor.samples, {"config": asdict(config), "references": len(references)}

@@ -118,7 +118,8 @@ class Stack:
 
     def replica_spec(self, name: str, port: int | None = None) -> ServiceSpec:
         budget = self.config.kv_budget_contexts * self.config.context_limit * KV_BYTES_PER_TOKEN_TINY
-        command = verifier_command(self.models.target, None, "float32", 1) + ("--max-kv-cache-bytes", str(budget))
+        command = verifier_command(self.models.target, None, "float32", 1)
+        command += ("--max-kv-cache-bytes", str(budget), "--session-ttl-s", str(self.config.session_ttl_s))
         spec = ServiceSpec(name, command, _all_cores(), 1, self.log_dir)
         return spec if port is None else ServiceSpec(name, command, spec.cores, 1, self.log_dir, port)
 
