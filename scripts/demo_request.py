@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import httpx
@@ -36,7 +37,9 @@ class StreamResult:
 
 
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, temperature: float, echo: bool) -> StreamResult:
-    """Stream one chat answer; print its text as it arrives when ``echo``."""
+    """Stream one chat answer; print its text as it arrives when ``echo``. Each call has a cache
+    salt of its own, so neither run finds its prompt in a prefix cache the other one warmed (the
+    target-alone run and SPADE reach the same verifier)."""
     client = OpenAI(base_url=base_url, api_key="unused")
     started = time.perf_counter()
     first_token_at = None
@@ -49,6 +52,7 @@ def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int, tempera
         temperature=temperature,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"cache_salt": uuid.uuid4().hex},
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
