@@ -129,13 +129,13 @@ def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -
         status, status_code = health_status(verifier, settings.fallback)
         if not is_trusted_caller(request):  # keys configured, none presented: the status alone
             return JSONResponse(EdgeHealth(status=status).model_dump(exclude_none=True), status_code=status_code)
-        internals = is_keyed_caller(request)  # the cloud's address: never for a caller without a key
+        internals = is_keyed_caller(request)  # addresses and paths: never for a caller without a key
         body = EdgeHealth(
             status=status,
             verifier=verifier,
             fallback=settings.fallback,
             model=engine.model.model_id,
-            draft_model=settings.draft_model,
+            draft_model=settings.draft_model if internals else None,
             draft_backend=request.app.state.draft_backend,
             verifier_url=settings.verifier_url if internals else None,
             draft_length=settings.draft_length,

@@ -50,7 +50,7 @@ class EdgeHealth(BaseModel):
     )
     fallback: Literal["error", "draft"] | None = None
     model: str | None = Field(None, description="The target's id, adopted from the verifier's /health: the model clients name.")
-    draft_model: str | None = None
+    draft_model: str | None = Field(None, description="The draft's name or path: only for a caller with a valid API key.")
     draft_backend: str | None = Field(None, description="llamacpp or transformers: the runtime the draft loaded in.")
     verifier_url: str | None = Field(None, description="The verifier's address: only for a caller with a valid API key.")
     draft_length: int | Literal["auto"] | None = None

@@ -78,10 +78,10 @@ def describe_edge(base_url: str) -> str:
 
 
 def edge_description(health: dict) -> str:
-    """The line ``describe_edge`` prints for the edge's /health body."""
-    parts = [f"draft {health.get('draft_model', '?')}"]
-    if health.get("draft_backend"):
-        parts.append(f"on {health['draft_backend']}")
+    """The line ``describe_edge`` prints for the edge's /health body (an edge without API keys
+    keeps its draft model's name or path to itself)."""
+    draft = f"draft {health['draft_model']}" if health.get("draft_model") else "a local draft"
+    parts = [f"{draft} on {health['draft_backend']}" if health.get("draft_backend") else draft]
     if health.get("draft_length") == "auto":
         parts.append("draft length auto (chosen before each block)")
     elif health.get("draft_length") is not None:

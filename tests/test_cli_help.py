@@ -218,8 +218,10 @@ def test_the_demo_drafts_as_a_default_edge_does_and_its_line_says_so(monkeypatch
     spec.loader.exec_module(demo_request)
     health = {"draft_model": "qwen", "draft_backend": "llamacpp", "draft_length": edge_default, "overlap": True}
     assert demo_request.edge_description(health) == (
-        "edge: draft qwen, on llamacpp, draft length auto (chosen before each block), overlapped with verification"
+        "edge: draft qwen on llamacpp, draft length auto (chosen before each block), overlapped with verification"
     )
+    without_keys = {key: value for key, value in health.items() if key != "draft_model"}  # what a keyless edge shows
+    assert demo_request.edge_description(without_keys).startswith("edge: a local draft on llamacpp, draft length auto")
 
 
 def test_the_demo_s_two_runs_never_share_a_prefix_cache(monkeypatch):

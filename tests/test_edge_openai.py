@@ -347,8 +347,8 @@ def test_health_is_ok_and_names_the_target_but_no_internal_address(urls):
     assert health.model == MODEL
     assert (health.draft_length, health.prefill_first, health.fallback) == (3, True, "error")
     # No keys configured: anyone who reaches the edge reads its /health, so the verifier's address
-    # is left out (a caller with a valid key sees it: test_key_sessions).
-    assert set(response.json()) == set(EdgeHealth.model_fields) - {"verifier_url"}
+    # and the draft's path are left out (a caller with a valid key sees them: test_key_sessions).
+    assert set(response.json()) == set(EdgeHealth.model_fields) - {"verifier_url", "draft_model"}
     assert verifier_url.removeprefix("http://") not in response.text
 
 
