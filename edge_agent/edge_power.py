@@ -24,7 +24,7 @@ from typing import Literal
 EdgePower = Literal["performance", "balanced", "saver"]
 
 DEFAULT_EDGE_POWER: EdgePower = "performance"
-"""The default: on the measured machine (docs/benchmarks.md, "Run J") every mode that drafts ahead
+"""The default: on the measured machine (docs/runs/run-j.md) every mode that drafts ahead
 less lost 3-9 % of the speed (balanced 0.91x at RTT 20 ms, 0.97x at 100 ms over three runs;
 saver as fast as balanced for less CPU), so the default keeps the speed and a battery-bound edge
 chooses ``saver``."""
@@ -34,7 +34,7 @@ MIN_SAVING_PER_CPU_S: Mapping[str, float] = MappingProxyType({"performance": 0.0
 ``--edge-power``. ``performance`` is not asked at all (it drafts ahead under every verify call,
 the behaviour before the setting existed); ``saver`` never drafts ahead past the prompt's
 prefill (which costs nothing extra: the draft must prefill the prompt anyway). ``balanced``
-drafts ahead where a CPU-second buys at least half a second of wait (README, "The edge's CPU")."""
+drafts ahead where a CPU-second buys at least half a second of wait (docs/design.md, "Edge power")."""
 
 PENDING_FORWARD_SHARE = 0.5
 """On a miss the forward still running when the verdict lands delays the next block by, on

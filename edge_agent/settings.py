@@ -52,7 +52,7 @@ class EdgeSettings(ServiceSettings):
         "auto",
         description=(
             "The draft length: tokens drafted per verify call, a positive integer, or 'auto' (the default, the "
-            "fastest setting measured: README, Results) to choose it before each block from acceptance and round trip."
+            "fastest setting measured: docs/benchmarks.md) to choose it before each block from acceptance and round trip."
         ),
     )
     overlap: bool = Field(
@@ -150,7 +150,7 @@ class EdgeSettings(ServiceSettings):
         # The speed model counts a block's drafting as hidden by drafting ahead only where the
         # edge drafts ahead under every call: balanced does so only on the few blocks likely to
         # hit, and modelling every block as overlapped there chose blocks of about 2 tokens
-        # (measured: target passes per token 0.51 against saver's 0.32; docs/benchmarks.md).
+        # (measured: target passes per token 0.51 against saver's 0.32; docs/runs/2026-12-04-edge-power.md).
         return draft_length_policy(self.draft_length, self.max_draft_length, self.overlap and self.edge_power == "performance")
 
     def draft_ahead_policy(self) -> DraftAheadPolicy:

@@ -71,7 +71,7 @@ class VerifierKeyError(RuntimeError):
 
 class VerifierIncompatibleError(ServiceUnavailableError):
     """The verifier speaks another version of the edge <-> verifier wire: the edge serves only a
-    verifier of its own (README, "Compatibility"). At start-up it stops the edge; while running,
+    verifier of its own (docs/design.md, "The verify wire and its version"). At start-up it stops the edge; while running,
     requests get 503 ``verifier_incompatible`` (or the draft alone with --fallback draft)."""
 
     def __init__(self, base_url: str, wire_version: object) -> None:

@@ -18,7 +18,7 @@ verify latency (mean, p50, p90), verify calls/s, committed tokens/s, drafted tok
 call, target tokens computed per call, and resident memory of the serving processes (summed
 over vLLM's three processes). Other processes on a shared machine stretch both backends'
 OpenMP threads many times over: compare rows of one run, and read the load average printed with
-the table. Results: README ("The vLLM backend") and docs/benchmarks.md.
+the table. Results: docs/benchmarks.md, "Component measurements".
 """
 
 from __future__ import annotations

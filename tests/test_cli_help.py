@@ -201,7 +201,7 @@ def test_demo_help_prints_usage_and_starts_nothing():
 
 
 def test_the_demo_drafts_as_a_default_edge_does_and_its_line_says_so(monkeypatch):
-    """A user who sets nothing gets the best measured draft length (README, Results): the edge's
+    """A user who sets nothing gets the best measured draft length (docs/benchmarks.md): the edge's
     default, the demo's, and the line the demo prints about the edge."""
     import importlib.util
     import re
@@ -290,7 +290,7 @@ def test_every_documented_flag_is_accepted(script):
 
 
 def test_the_verifiers_draft_length_limit_has_one_spelling(capsys):
-    """Unreleased, the project keeps no old spelling (README, "Compatibility"): the name the
+    """Unreleased, the project keeps no old spelling (docs/design.md, "The verify wire and its version"): the name the
     limit had before, --max-draft-tokens, is an unknown flag."""
     from gateway.cli import settings_from_arguments
 

@@ -133,7 +133,7 @@ def test_the_default_pair_is_served(compose):
 
 @pytest.mark.parametrize("edge", ["edge", "edge-remote", "edge-pool"])
 def test_the_edges_draft_as_a_default_edge_does(compose, edge):
-    """Unset, SPADE_EDGE_DRAFT_LENGTH gives the edge's own default, the best measured (README, Results)."""
+    """Unset, SPADE_EDGE_DRAFT_LENGTH gives the edge's own default, the best measured (docs/benchmarks.md)."""
     from edge_agent.settings import EdgeSettings
 
     draft_length = interpolate(compose["services"][edge]["environment"]["SPADE_EDGE_DRAFT_LENGTH"])

@@ -1,4 +1,4 @@
-"""The wire version: an edge serves only a verifier of its own (README, "Compatibility").
+"""The wire version: an edge serves only a verifier of its own (docs/design.md, "The verify wire and its version").
 
 Specification:
 - The verifier's /health carries ``wire_version`` (``WIRE_VERSION``: 1 in the first release, 2

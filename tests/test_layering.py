@@ -1,4 +1,4 @@
-"""The packages' layering, as the README's architecture section states it.
+"""The packages' layering, as docs/design.md ("Where the code is") states it.
 
 - ``spade_core`` (sampling parameters, the sampling transform, the acceptance rule) imports
   none of our packages and no web framework or schema library: plain torch.

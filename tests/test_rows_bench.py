@@ -1,5 +1,5 @@
 """``spade_bench.rows_bench`` and ``spade_bench.forward_bench``: the forward cost per row count
-(the tiny target here; the real one in docs/benchmarks.md), per kernel ISA, beside the core's
+(the tiny target here; the real one in docs/runs/run-r.md), per kernel ISA, beside the core's
 physics (``spade_bench.cpu_physics``)."""
 
 from __future__ import annotations

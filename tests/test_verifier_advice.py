@@ -226,7 +226,7 @@ def test_the_time_away_is_a_line_in_the_block_drafted():
 
 
 RUN_J_CPU = ForwardCurve(points={1: 0.231, 2: 0.247, 3: 0.253, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484})
-"""The 1.5B target's forward on the AVX-512 CPU (docs/benchmarks.md, Run J), 27 ms a row past 8 rows."""
+"""The 1.5B target's forward on the AVX-512 CPU (docs/runs/run-j.md), 27 ms a row past 8 rows."""
 
 
 def edges_away(base_s: float, per_token_s: float) -> TimeAway:

@@ -9,7 +9,7 @@ from verifier_service.backends.transformers.advice import CostLine, ForwardCurve
 from verifier_service.backends.transformers.hold import Sessions, hold_is_worth, latest_worth_holding
 
 AVX2_CPU = CostLine(0.37, 0.056)
-"""t(R) = 0.37 + 0.056 R s: the 1.5B target's cost line on the AVX2 box (docs/benchmarks.md)."""
+"""t(R) = 0.37 + 0.056 R s: the 1.5B target's cost line on the AVX2 box (docs/runs/2026-12-04-hold-rule.md)."""
 GPU = CostLine(0.007, 0.00003)
 """A small forward on a GPU: nearly all fixed part."""
 
@@ -92,7 +92,7 @@ def test_the_latest_session_worth_waiting_for_brings_the_sooner_ones_along():
 # --- queued sessions that return at once (continued steps) ----------------------------------------
 
 AVX512_CPU = ForwardCurve(points={1: 0.231, 2: 0.247, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484})
-"""The 1.5B target's measured forward on this machine (docs/benchmarks.md, Run J): knee at 8 rows."""
+"""The 1.5B target's measured forward on this machine (docs/runs/run-j.md): knee at 8 rows."""
 
 
 def committed_per_second(hold: bool, wait_s: float, cost, queued: Sessions, due: Sessions, returning: Sessions) -> float:
@@ -133,7 +133,7 @@ def test_nothing_returning_the_rate_rule_is_the_fixed_part_rule():
 
 
 def test_six_continued_sessions_wait_only_briefly_for_an_edge_past_the_knee():
-    # docs/benchmarks.md Run M+1: forwards at N = 8 waited 60-80 ms for edges under the rule
+    # docs/runs/run-n.md: forwards at N = 8 waited 60-80 ms for edges under the rule
     # that ignores the continued sessions, which would allow t(6) + t(2) - t(8) = 238 ms.
     queued, returning, edge = Sessions(6, 6, 6.0), Sessions(6, 6), Sessions(1, 2, 1.9)
     assert hold_is_worth(0.2, AVX512_CPU, queued, edge, True)

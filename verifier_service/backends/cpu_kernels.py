@@ -306,7 +306,7 @@ def prefault_for_writing(tensors: list[torch.Tensor]) -> int:
     contents unchanged, before the packing writes them. A memory-mapped checkpoint (safetensors)
     would otherwise take one copy-on-write fault per 4 KiB page as it is written, ~1.5 million for
     the 1.5B target: packing took 13.7-33.3 s that way against 10.8-11.4 s prefaulted, side by
-    side (docs/benchmarks.md). Returns how many tensors were prefaulted: none off Linux or on a
+    side (docs/runs/2026-12-03-forward-per-draft-length.md). Returns how many tensors were prefaulted: none off Linux or on a
     kernel without it (the packing is then only slower)."""
     if not sys.platform.startswith("linux"):
         return 0
@@ -325,7 +325,7 @@ def prefault_for_writing(tensors: list[torch.Tensor]) -> int:
 
 PACK_CHUNK_BYTES = 1 << 20
 """Weights are permuted a few panels (about this many bytes) at a time: the temporary copy stays
-in cache (six times faster than permuting a whole matrix at once; docs/benchmarks.md)."""
+in cache (six times faster than permuting a whole matrix at once; docs/runs/2026-12-03-forward-per-draft-length.md)."""
 
 
 def pack_weight(weight: torch.Tensor, panel_width: int) -> None:

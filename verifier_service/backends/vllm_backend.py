@@ -42,7 +42,7 @@ prompt_len x vocab per call: slower than sample_match already on a tiny vocabula
 magnitude on a 32k one, out of reach at Qwen2.5's 151,936; its higher acceptance does not pay for
 that. sample_match's price is d + 1 requests, each recomputing its last partial block, several
 times the target tokens of one greedy scoring call. The figures (spade_bench/backend_bench.py):
-README, "The vLLM backend", and docs/benchmarks.md, "Component measurements".
+docs/design.md, "The vLLM backend", and docs/benchmarks.md, "Component measurements".
 
 Context length: vLLM refuses a prompt that leaves no room for a generated token, and a scoring
 call's prompt is the whole context + block, so the model is described with a context one token

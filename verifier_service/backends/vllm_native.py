@@ -18,7 +18,7 @@ temperature 0 only (``spade_core.sampling.reported_logprobs``); above it they ar
 What "greedy SPADE equals target-only" means here: SPADE's verify calls are scoring requests
 (context + block, prompt logprobs) while this route decodes one token per step in vLLM's batch;
 both are the same model in the same engine but not the same kernels' row shapes. The vLLM suite
-tests the equality (tests/vllm/test_vllm_native.py); the README says what it found.
+tests the equality (tests/vllm/test_vllm_native.py); docs/runs/2026-12-04-vllm-target-routes.md says what it found.
 """
 
 from __future__ import annotations

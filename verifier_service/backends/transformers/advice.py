@@ -79,7 +79,7 @@ DEPARTURE_MARGIN = 0.05
 (``departure_length``): what the timeline leaves out, the call's handling on the core the
 forwards run on, a hold it may cause, the measured curve's noise at the knee. Without it (and
 with one forward missed whatever the block), N = 8 on this CPU fell to 0.88x target-only:
-sessions left for gains the timeline put at 0.5-1 % (docs/benchmarks.md, Run N)."""
+sessions left for gains the timeline put at 0.5-1 % (docs/runs/run-n.md)."""
 BUSY_WINDOW_S = 4.0
 """The recent past the busy fraction is measured over (an exponential window of this scale)."""
 
@@ -130,8 +130,8 @@ class ForwardCurve:
     seconds; between row counts, straight lines; the points made non-decreasing in R first
     (pooled where noise put a longer forward below a shorter one); past the largest row count
     seen, the steeper of the last segment and the chord from the smallest. A CPU's forward is
-    nearly flat up to its knee and a row's full arithmetic past it (docs/benchmarks.md, the row
-    tables): no line fits both, and a line through forwards on both sides makes rows below the
+    nearly flat up to its knee and a row's full arithmetic past it (docs/runs/run-j.md and run-r.md,
+    the row tables): no line fits both, and a line through forwards on both sides makes rows below the
     knee look dear and merging forwards look cheap.
 
     Example: forwards of 2, 6 and 12 rows took 0.24, 0.26 and 0.38 s -> t(4) = 0.25,

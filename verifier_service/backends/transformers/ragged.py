@@ -34,7 +34,7 @@ each layer lays the sessions' keys end to end (one concatenation) and runs one f
 every row against them under a block-diagonal causal mask built once per forward. There, per
 segment launches cost more than the arithmetic (an H200, Qwen2.5-1.5B's shape in fp32: 2-4 ms
 per session and forward one segment at a time, against 15 ms for a whole one-row forward;
-docs/benchmarks.md, "Run K"); on a CPU the concatenation would copy every cache once per layer,
+docs/runs/run-k.md); on a CPU the concatenation would copy every cache once per layer,
 so the CPU keeps one call per segment.
 """
 
