@@ -110,6 +110,20 @@ def test_after_a_key_rotation_the_edge_resyncs_the_session_under_the_new_key(url
     assert (resynced_before, resynced_after, length) == (False, True, expected)
 
 
+# --- a fair share of the session table per key ------------------------------------------------
+
+
+def test_one_key_opening_many_sessions_never_evicts_another_keys_session(tiny_pair):
+    # A table of 4 sessions shared by two keys: key B opening 10 sessions churns its own oldest,
+    # key A's session is kept and continues without a resync.
+    with serve(verifier_app(tiny_pair, api_key=f"{KEY_A},{KEY_B}", max_sessions=4)) as url:
+        a_session, a_committed = _opened(url, KEY_A)
+        b_opened = [_opened(url, KEY_B) for _ in range(10)]
+        assert _post(url, verify_body(a_session, a_committed, [6]), KEY_A).status_code == 200
+        b_statuses = [_post(url, verify_body(sid, committed, [6]), KEY_B).status_code for sid, committed in b_opened]
+    assert b_statuses[:7] == [409] * 7 and b_statuses[7:] == [200] * 3  # B kept its newest 3, its share
+
+
 # --- /health: the status for strangers, the details with a key -------------------------------
 
 

@@ -77,6 +77,22 @@ def test_retained_caches_live_within_the_byte_budget(tiny_pair, vocab_size, budg
     assert again["num_cached_tokens"] == hit
 
 
+def test_the_budget_bounds_retained_caches_filled_by_the_openai_route_before_any_verify_call(tiny_pair, vocab_size):
+    # Distinct prompts on the target-only route each leave a retained cache; with no verify call
+    # ever coming, the budget (one context) must still bound them at every moment, and /metrics
+    # must say what the store holds.
+    with running_verifier(tiny_pair) as probe:
+        bytes_per_token = probe.app.state.service.backend.kv_bytes_per_token
+    budget = MAX_CONTEXT * bytes_per_token
+    with serve(verifier_app(tiny_pair, max_kv_cache_bytes=budget)) as url:
+        for seed in range(8):
+            _completion(url, _prompt(100 + seed, 40, vocab_size))  # 8 x ~43 tokens: 3.6 contexts in all
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            assert 0 < _metric(metrics, "spade_verifier_prefix_store_bytes") <= budget
+            assert _metric(metrics, "spade_verifier_kv_cache_bytes") <= budget
+        assert 1 <= _metric(metrics, "spade_verifier_prefix_store_entries") <= MAX_CONTEXT // 40
+
+
 def test_calls_with_another_salt_share_nothing(tiny_pair, vocab_size):
     context = _prompt(6, 40, vocab_size)
     with running_verifier(tiny_pair) as client:

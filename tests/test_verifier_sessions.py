@@ -5,6 +5,7 @@ small limits, and on the registry alone.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 
@@ -13,7 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from servers import wait_until
 from verifier_service.app import sweep_interval_s
-from verifier_service.sessions import SessionLimits, SessionRegistry
+from gateway.errors import OverloadedError
+from verifier_service.kv_budget import KvBudget
+from verifier_service.sessions import SessionLimits, SessionRegistry, fair_share
 from verifier_support import (
     Session,
     committed_after,
@@ -89,6 +92,56 @@ def held(client) -> tuple[int, bool]:
 def test_the_sweep_runs_a_quarter_ttl_apart_and_at_least_every_minute():
     assert sweep_interval_s(0.2) == pytest.approx(0.05)
     assert sweep_interval_s(600.0) == 60.0
+
+
+# --- fair shares per owner (API key), pure ---------------------------------------------------
+
+
+def test_fair_share_splits_capacity_among_the_owners_holding_some():
+    assert fair_share(256, {}, "") == 256
+    assert fair_share(256, {"a": 200}, "a") == 256
+    assert fair_share(256, {"a": 200}, "b") == 128
+    assert fair_share(10, {"a": 1, "b": 1}, "c") == 4
+
+
+def test_an_owner_at_its_share_with_every_session_busy_gets_429_and_others_still_get_in():
+    registry = SessionRegistry(SessionLimits(max_sessions=4))
+    a_sessions = [registry.get_or_create(f"a{i}", "a") for i in range(2)]
+    b_sessions = [registry.get_or_create(f"b{i}", "b") for i in range(2)]
+    busy = [asyncio.run(_acquired(session.lock)) for session in b_sessions]
+    assert all(busy)
+    with pytest.raises(OverloadedError, match="share of the verifier's sessions"):
+        registry.get_or_create("b-new", "b")
+    for session in a_sessions:  # a may still replace its own: it has idle sessions
+        assert not session.lock.locked()
+    registry.get_or_create("a-new", "a")
+    assert registry.evict(keep="a-new") == ["a0"]  # a's own oldest goes, never one of b's
+
+
+def test_without_keys_the_table_stays_least_recently_used():
+    registry = SessionRegistry(SessionLimits(max_sessions=2))
+    for name in ("x", "y", "z"):
+        registry.get_or_create(name)
+    assert registry.evict(keep="z") == ["x"]
+
+
+def test_kv_room_is_never_taken_from_an_owner_within_its_share():
+    registry = SessionRegistry(SessionLimits(), KvBudget(bytes_per_token=1, max_bytes=100))
+    a_session, b_session = registry.get_or_create("a", "a"), registry.get_or_create("b", "b")
+    a_session.token_ids, b_session.token_ids = list(range(30)), list(range(60))
+    c_session = registry.get_or_create("c", "c")
+    # 120 tokens asked of 100: a (30, within a third) is the least recently used but stays;
+    # b (60, over its third) gives way.
+    assert registry.reserve(c_session, 30) == ["b"]
+    c_session.reserved_tokens, c_session.token_ids = 0, list(range(30))
+    with pytest.raises(OverloadedError, match="within their share"):  # a and c hold 30 each: within a third
+        registry.reserve(registry.get_or_create("d", "d"), 60)
+    assert {"a", "c"} <= set(registry.owner_counts())
+
+
+async def _acquired(lock: asyncio.Lock) -> bool:
+    await lock.acquire()
+    return lock.locked()
 
 
 # --- the session registry, pure ---------------------------------------------------------------

@@ -37,6 +37,11 @@ class RetainedKv(Protocol):
     @property
     def num_retained_tokens(self) -> int: ...
 
+    @property
+    def num_retained(self) -> int:
+        """Caches retained (entries of the prefix store)."""
+        ...
+
     def limit_retained(self, max_tokens: int) -> None: ...
 
 

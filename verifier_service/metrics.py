@@ -61,6 +61,14 @@ class VerifierMetrics:
             registry=self.registry,
         )
         self.sessions = Gauge("spade_verifier_sessions", "Sessions held", registry=self.registry)
+        self.prefix_store_bytes = Gauge(
+            "spade_verifier_prefix_store_bytes",
+            "KV bytes of ended sessions' caches kept as shared prefixes (part of spade_verifier_kv_cache_bytes)",
+            registry=self.registry,
+        )
+        self.prefix_store_entries = Gauge(
+            "spade_verifier_prefix_store_entries", "Ended sessions' caches kept as shared prefixes", registry=self.registry
+        )
         self.kv_cache_bytes = Gauge(
             "spade_verifier_kv_cache_bytes",
             "Bytes of KV cache the sessions and retained shared prefixes hold or have reserved, within "

@@ -83,13 +83,17 @@ class VerifierService:
         self.metrics = metrics
         self.prefix_sharing: PrefixSharing = prefix_sharing
         metrics.kv_cache_bytes.set_function(lambda: sessions.kv_bytes)  # read at each scrape
+        retained, budget = sessions.retained, sessions.kv_budget
+        if retained is not None and budget is not None:
+            metrics.prefix_store_bytes.set_function(lambda: retained.num_retained_tokens * budget.bytes_per_token)
+            metrics.prefix_store_entries.set_function(lambda: retained.num_retained)
 
     async def verify(self, request: VerifyRequest, owner: str = "") -> VerifyResponse:
         """``owner``: the caller's key id (``gateway.security.key_id``; "" without keys): each
         owner has its own namespace of sessions, so another key's session is simply unknown."""
         received_at = time.perf_counter()
         draft_probs = self.validate(request)
-        session = self._session_for(request, owned_session_id(owner, request.session_id))
+        session = self._session_for(request, owned_session_id(owner, request.session_id), owner)
         fingerprint = request.fingerprint()
         async with session.lock:
             if session.last_fingerprint == fingerprint and session.last_response is not None:
@@ -238,9 +242,9 @@ class VerifierService:
                 raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
         return dense_draft_probs(rows, self.backend.model.vocab_size)
 
-    def _session_for(self, request: VerifyRequest, owned_id: str) -> Session:
+    def _session_for(self, request: VerifyRequest, owned_id: str, owner: str) -> Session:
         if request.prefix_length == 0:
-            return self.sessions.get_or_create(owned_id)
+            return self.sessions.get_or_create(owned_id, owner)
         session = self.sessions.get(owned_id)
         if session is None:
             self.metrics.resyncs.inc()

@@ -33,6 +33,8 @@ class Session:
     """Tokens the call in flight will hold in the cache (its context + block), while it runs."""
     advised_draft_length: int | None = None
     """What the last answer advised: a longer next block is cut to it."""
+    owner: str = ""
+    """The key id of the caller that created it ("" without keys): each owner has a fair share."""
 
     @property
     def num_cached_tokens(self) -> int:
@@ -63,6 +65,14 @@ class SessionLimits:
             raise ValueError("session limits must be positive")
 
 
+def fair_share(capacity: int, holdings: dict[str, int], owner: str) -> int:
+    """An owner's fair share of ``capacity`` (sessions, or KV tokens): an equal split among the
+    owners holding some (``holdings``), ``owner`` counted too, rounded up. One owner (a verifier
+    without keys) has all of it."""
+    owners = set(holdings) | {owner}
+    return -(-capacity // len(owners))
+
+
 class SessionRegistry:
     """The verifier's sessions, one per edge generation: what each has committed (tokens and
     digest) and its last answer (for retries), a lock serialising one session's calls, and
@@ -75,6 +85,7 @@ class SessionRegistry:
         self.kv_budget = kv_budget
         self.retained = retained
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._limit_retained(0)  # the budget bounds retained caches from the start, whichever route fills them
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -102,19 +113,27 @@ class SessionRegistry:
         others = [s for s in self._sessions.values() if s is not session]
         held = sum(s.num_cached_tokens for s in others)
         self._limit_retained(held + num_tokens)
+        owner_tokens: dict[str, int] = {session.owner: num_tokens}
+        for other in others:
+            owner_tokens[other.owner] = owner_tokens.get(other.owner, 0) + other.num_cached_tokens
+        share = fair_share(self.kv_budget.max_tokens, {owner: 1 for owner in owner_tokens}, session.owner)
         evicted = []
         for other in others:
             if held + num_tokens <= self.kv_budget.max_tokens:
                 break
             if other.lock.locked() or other.reserved_tokens:
                 continue
+            if other.owner != session.owner and owner_tokens[other.owner] <= share:
+                continue  # an owner within its share of the KV budget loses nothing to another
             held -= other.num_cached_tokens
+            owner_tokens[other.owner] -= other.num_cached_tokens
             del self._sessions[other.session_id]
             evicted.append(other.session_id)
         if held + num_tokens > self.kv_budget.max_tokens:
             raise OverloadedError(
                 f"the KV cache budget ({self.kv_budget.max_bytes} bytes, max_kv_cache_bytes) is held by calls in "
-                f"flight; this call needs {num_tokens * self.kv_budget.bytes_per_token} bytes: retry shortly",
+                f"flight or by other keys within their share; this call needs {num_tokens * self.kv_budget.bytes_per_token} "
+                "bytes: retry shortly",
                 code="kv_cache_full",
                 retry_after_s=1,
             )
@@ -131,12 +150,34 @@ class SessionRegistry:
         self._sessions.move_to_end(session_id)
         return session
 
-    def get_or_create(self, session_id: str) -> Session:
+    def get_or_create(self, session_id: str, owner: str = "") -> Session:
+        """The session, or a new one of ``owner``'s. With the table full and other owners in it,
+        an owner already holding its fair share (``fair_share``) makes room from its own idle
+        sessions (``evict`` then drops its least recently used); with none idle it gets 429: it
+        never pushes out the sessions of an owner within its share."""
         session = self.get(session_id)
         if session is None:
+            live = self.owner_counts()
+            full = sum(live.values()) >= self._limits.max_sessions
+            at_share = live.get(owner, 0) >= fair_share(self._limits.max_sessions, live, owner)
+            if full and len(live | {owner: 0}) > 1 and at_share and not self._has_idle_session(owner):
+                raise OverloadedError(
+                    f"this API key holds its share of the verifier's sessions ({live.get(owner, 0)} of "
+                    f"{self._limits.max_sessions}, shared by {len(live | {owner: 0})} keys), all in use: retry shortly",
+                    code="session_share_full",
+                    retry_after_s=1,
+                )
             self._sessions.pop(session_id, None)  # an expired one is replaced (newest, not in its old place)
-            session = self._sessions[session_id] = Session(session_id)
+            session = self._sessions[session_id] = Session(session_id, owner=owner)
         return session
+
+    def owner_counts(self) -> dict[str, int]:
+        """Sessions held per owner, those past their TTL left out (they go at the next evict)."""
+        counts: dict[str, int] = {}
+        for session in self._sessions.values():
+            if not self._is_expired(session):
+                counts[session.owner] = counts.get(session.owner, 0) + 1
+        return counts
 
     def remove(self, session_id: str) -> bool:
         removed = self._sessions.pop(session_id, None) is not None
@@ -149,21 +190,32 @@ class SessionRegistry:
             self.retained.limit_retained(self.kv_budget.max_tokens - num_session_tokens)
 
     def evict(self, keep: str | None = None) -> list[str]:
-        """Drop expired sessions, then the least recently used beyond the limits (never
-        ``keep``, the session being served). Returns the evicted ids."""
+        """Drop expired sessions, then, beyond the limits, the least recently used session of an
+        owner holding at least its fair share (never ``keep``, the session being served): an
+        owner within its share loses nothing to another. Returns the evicted ids."""
         evicted = self._evict_expired(keep)
         total_tokens = self.num_tokens
-        for session_id in list(self._sessions):
-            over = len(self._sessions) > self._limits.max_sessions or total_tokens > self._limits.max_total_tokens
-            if not over:
+        while len(self._sessions) > self._limits.max_sessions or total_tokens > self._limits.max_total_tokens:
+            victim = self._fair_victim(keep)
+            if victim is None:
                 break
-            if session_id == keep:
-                continue
-            total_tokens -= len(self._sessions.pop(session_id).token_ids)
-            evicted.append(session_id)
+            total_tokens -= len(self._sessions.pop(victim).token_ids)
+            evicted.append(victim)
         if evicted:
             self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
         return evicted
+
+    def _fair_victim(self, keep: str | None) -> str | None:
+        """The least recently used session (not ``keep``) of an owner holding the most, an idle
+        one before one with a call in flight."""
+        counts = self.owner_counts()
+        largest = max(counts.values(), default=0)
+        candidates = [sid for sid, s in self._sessions.items() if sid != keep and counts.get(s.owner, 0) == largest]
+        idle = [sid for sid in candidates if not self._sessions[sid].lock.locked()]
+        return next(iter(idle or candidates), None) or next((sid for sid in self._sessions if sid != keep), None)
+
+    def _has_idle_session(self, owner: str) -> bool:
+        return any(s.owner == owner and not s.lock.locked() and not s.reserved_tokens for s in self._sessions.values())
 
     def _is_expired(self, session: Session) -> bool:
         return session.last_used < time.monotonic() - self._limits.ttl_s

@@ -121,6 +121,11 @@ class TransformersBackend(VerifierBackend):
         """Tokens of ended sessions' caches kept as shared prefixes (part of the KV budget)."""
         return 0 if self._runner.prefixes is None else self._runner.prefixes.num_retained_tokens
 
+    @property
+    def num_retained(self) -> int:
+        """Ended sessions' caches kept as shared prefixes."""
+        return 0 if self._runner.prefixes is None else self._runner.prefixes.num_retained
+
     def limit_retained(self, max_tokens: int) -> None:
         """Retain at most ``max_tokens`` from now on, freeing the least recently used beyond
         at once (a copy in flight keeps its source alive until it is done)."""

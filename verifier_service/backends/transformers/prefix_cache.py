@@ -36,6 +36,10 @@ class PrefixCache:
     def num_retained_tokens(self) -> int:
         return self.store.num_retained_tokens
 
+    @property
+    def num_retained(self) -> int:
+        return self.store.num_retained
+
     def hit_length(self, block: BlockToVerify) -> int:
         """Context tokens a new cache for this call would start with (0: none shared)."""
         if block.cache_namespace is None:

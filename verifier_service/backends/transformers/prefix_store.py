@@ -101,6 +101,11 @@ class PrefixStore:
         return sum(self._retained.values())
 
     @property
+    def num_retained(self) -> int:
+        """Retained sources (ended sessions' caches kept as shared prefixes)."""
+        return len(self._retained)
+
+    @property
     def num_sources(self) -> int:
         return len(self._sources)
 
