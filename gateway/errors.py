@@ -38,6 +38,10 @@ class AuthenticationError(GatewayError):
     """No API key, or a wrong one."""
 
 
+class PermissionDeniedError(GatewayError):
+    """A valid key that may not use this route (a client's key on an operator's route)."""
+
+
 class RequestTooLargeError(GatewayError):
     """The request body is larger than the service accepts."""
 
@@ -72,6 +76,7 @@ ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     InvalidRequestError: ("invalid_request_error", 400),
     RequestValidationError: ("invalid_request_error", 400),
     AuthenticationError: ("invalid_request_error", 401),
+    PermissionDeniedError: ("permission_error", 403),
     ModelNotFoundError: ("not_found_error", 404),
     SessionConflictError: ("conflict_error", 409),
     RequestTooLargeError: ("invalid_request_error", 413),

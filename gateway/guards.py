@@ -13,7 +13,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from gateway.lifecycle import Drain
 from gateway.limits import GENERATION_PATHS, BodySizeLimitMiddleware, ConcurrencyLimitMiddleware
 from gateway.openapi import install_openapi
-from gateway.security import LOOPBACK_HOST_HEADERS, ApiKeyMiddleware, check_exposure, is_loopback, open_paths
+from gateway.security import LOOPBACK_HOST_HEADERS, ApiKeyMiddleware, check_exposure, is_loopback, load_api_keys, open_paths
 from gateway.settings import ServiceSettings
 
 
@@ -27,7 +27,12 @@ def install_guards(app: FastAPI, settings: ServiceSettings, host: str, trusted_h
     install_openapi(app, requires_key=bool(api_keys), max_tokens_cap=app.state.request_limits.max_tokens_cap)
     app.add_middleware(ConcurrencyLimitMiddleware, max_concurrent=settings.max_concurrent_requests, paths=GENERATION_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_keys=api_keys, open_paths=open_paths(settings.metrics_require_key))
+    app.add_middleware(
+        ApiKeyMiddleware,
+        api_keys=api_keys,
+        open_paths=open_paths(settings.metrics_require_key),
+        operator_keys=load_api_keys(settings.metrics_api_key, None),
+    )
     if trusted_hosts:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=trusted_hosts)
 

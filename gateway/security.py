@@ -17,11 +17,14 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.errors import AuthenticationError, error_response
+from gateway.errors import AuthenticationError, PermissionDeniedError, error_response
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 LOOPBACK_HOST_HEADERS = ["localhost", "127.0.0.1", "[::1]"]
 OPEN_PATHS = frozenset({"/health"})
+OPERATOR_PATHS = frozenset({"/metrics"})
+"""Routes that, where operator keys are configured (``--metrics-api-key``), answer those keys
+alone: the counters sum over every tenant, so a client's key reads none of them."""
 CALLER_KEY_ID = "caller_key_id"
 """The request-state entry the key middleware sets: "" without keys configured, the caller's
 ``key_id`` with a valid key, None for a stranger on an open path."""
@@ -98,12 +101,20 @@ class ApiKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` on every HTTP route but ``open_paths``; answers
     401 in the OpenAI envelope (type invalid_request_error, code invalid_api_key) otherwise."""
 
-    def __init__(self, app: ASGIApp, api_keys: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: frozenset[str], open_paths: frozenset[str] = OPEN_PATHS, operator_keys: frozenset[str] = frozenset()
+    ) -> None:
+        """``operator_keys``: where given, the only keys ``OPERATOR_PATHS`` answer (403 to a
+        client's valid key, 401 to anything else), whatever ``open_paths`` says."""
         self.app = app
         self.api_keys = frozenset(key.encode() for key in api_keys)
         self.open_paths = open_paths
+        self.operator_keys = frozenset(key.encode() for key in operator_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.operator_keys and scope["path"] in OPERATOR_PATHS:
+            await self._operator_route(scope, receive, send)
+            return
         if scope["type"] != "http" or not self.api_keys:
             await self.app(scope, receive, send)
             return
@@ -116,6 +127,23 @@ class ApiKeyMiddleware:
         reason = "missing API key: send 'Authorization: Bearer <key>'" if presented is None else "invalid API key"
         response = error_response(AuthenticationError(reason, code="invalid_api_key"))
         response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    async def _operator_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        presented = bearer_token(scope)
+        if is_valid_key(presented, self.operator_keys):
+            await self.app(scope, receive, send)
+            return
+        if is_valid_key(presented, self.api_keys):
+            error: Exception = PermissionDeniedError(
+                "this route is for the operator's key (--metrics-api-key): a client's key may not read it", code="operator_key_required"
+            )
+        else:
+            reason = "missing API key: send the operator's key" if presented is None else "invalid API key"
+            error = AuthenticationError(reason, code="invalid_api_key")
+        response = error_response(error)
+        if isinstance(error, AuthenticationError):
+            response.headers["www-authenticate"] = "Bearer"
         await response(scope, receive, send)
 
 

@@ -52,6 +52,14 @@ class ServiceSettings(BaseSettings):
         description="With API keys set, /metrics needs a key too; --no-metrics-require-key leaves it open to scrapers.",
         json_schema_extra={"advanced": True},
     )
+    metrics_api_key: str | None = Field(
+        None,
+        description=(
+            "The operator's key(s) for /metrics (comma-separated): when set, /metrics answers these alone, 403 to a client's "
+            "key (the counters sum over every tenant), whatever --metrics-require-key says."
+        ),
+        json_schema_extra={"advanced": True},
+    )
     max_request_bytes: int = Field(
         DEFAULT_MAX_REQUEST_BYTES,
         ge=1024,

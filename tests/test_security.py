@@ -89,6 +89,26 @@ def test_metrics_can_be_left_open_to_scrapers(tiny_pair):
     assert statuses == [200, 401]
 
 
+OPERATOR_KEY = "operator-key-0123456789"
+
+
+@pytest.mark.parametrize("open_metrics", [True, False], ids=["metrics_open", "metrics_keyed"])
+def test_with_an_operator_key_metrics_answer_it_alone(tiny_pair, open_metrics):
+    # Every tenant's activity sums into /metrics: a client's key reads none of it (403), a
+    # stranger gets 401, the operator's key reads it, and the client's key still serves models.
+    app = verifier_app(tiny_pair, api_key=KEY, metrics_api_key=OPERATOR_KEY, metrics_require_key=not open_metrics)
+    with serve(app) as url:
+
+        def status(path: str, key: str | None) -> int:
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            return httpx.get(url + path, headers=headers, timeout=30).status_code
+
+        client_refused = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}, timeout=30).json()["error"]
+        assert [status("/metrics", OPERATOR_KEY), status("/metrics", KEY), status("/metrics", None)] == [200, 403, 401]
+        assert [status("/v1/models", KEY), status("/v1/models", OPERATOR_KEY)] == [200, 401]
+    assert (client_refused["type"], client_refused["code"]) == ("permission_error", "operator_key_required")
+
+
 def test_keys_come_from_the_value_and_the_file_one_per_line(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("file-key-1\n\n  file-key-2  \n")

@@ -12,9 +12,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.errors import OverloadedError
 from servers import wait_until
 from verifier_service.app import sweep_interval_s
-from gateway.errors import OverloadedError
 from verifier_service.kv_budget import KvBudget
 from verifier_service.sessions import SessionLimits, SessionRegistry, fair_share
 from verifier_support import (
