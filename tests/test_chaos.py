@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from spade_bench.chaos import checks
 from spade_bench.chaos.checks import FaultRecord, Sample
 from spade_bench.chaos.load import Client, RequestRecord, is_openai_error, request_body
+from spade_bench.chaos.monitor import connection_roles
 from spade_bench.chaos.plan import FAULT_KINDS, LINK_FAULTS, ChaosConfig, RequestMix, RequestPlan, fault_schedule, prompt_text
 
 CONFIG = ChaosConfig(duration_s=600, num_edges=6, num_linked_edges=2, fault_interval_s=30, seed=3)
@@ -210,14 +211,24 @@ def test_memory_must_stay_flat_after_warm_up_per_incarnation():
     assert checks.check_flat(restarted, warm_s=20, load_end_s=90).passed
 
 
-def test_a_client_pool_s_idle_sockets_are_not_a_leak_but_more_than_its_bound_are():
-    before = [Sample(0, "edge-01", 1, 0, 16, 5)]
-    pooled = Sample(99, "edge-01", 1, 0, 16 + 12, 5 + 12)  # a burst left 12 keep-alive connections
-    assert checks.check_back_to_idle(before, [pooled]).passed
-    leaked = Sample(99, "edge-01", 1, 0, 16 + 40, 5 + 40)
-    assert not checks.check_back_to_idle(before, [leaked]).passed
-    harness = Sample(99, "runner", 1, 0, 500, 400)  # the run's own clients are never judged
-    assert checks.check_back_to_idle([Sample(0, "runner", 1, 0, 60, 10)], [harness]).passed
+def edge_sample(at_s: float, opened: int, accepted: int, process: str = "edge-01") -> Sample:
+    return Sample(at_s, process, 1, 0, 11 + opened + accepted, 1 + opened + accepted, {}, opened, accepted)
+
+
+def test_a_pool_s_idle_connections_are_not_a_leak_but_more_than_its_bound_are():
+    before = [edge_sample(0, opened=2, accepted=1)]
+    pooled = edge_sample(99, opened=2 + 12, accepted=1 + 30)  # a burst left keep-alive connections each way
+    assert checks.check_back_to_idle(before, [pooled], server_bound=64).passed
+    assert not checks.check_back_to_idle(before, [edge_sample(99, opened=2 + 25, accepted=1)], server_bound=64).passed
+    assert not checks.check_back_to_idle(before, [edge_sample(99, opened=2, accepted=1 + 70)], server_bound=64).passed
+    harness = edge_sample(99, opened=400, accepted=0, process="runner")  # the run's own clients are never judged
+    assert checks.check_back_to_idle([edge_sample(0, 10, 0, "runner")], [harness]).passed
+
+
+def test_connections_are_told_apart_by_whether_the_process_listens_on_their_port():
+    table = {"1": (8000, "0A"), "2": (8000, "01"), "3": (8000, "01"), "4": (51234, "01"), "5": (51235, "08")}
+    links = ["socket:[1]", "socket:[2]", "socket:[3]", "socket:[4]", "socket:[5]", "socket:[99]", "pipe:[7]", "/dev/null"]
+    assert connection_roles(links, table) == (2, 2)  # 51234 and 51235 opened (one half-closed), two accepted on 8000
 
 
 def test_back_to_idle_wants_no_session_held_and_the_descriptors_of_before():

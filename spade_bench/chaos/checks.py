@@ -43,6 +43,10 @@ class Sample:
     fds: int
     sockets: int
     metrics: dict[str, float] = field(default_factory=dict)
+    client_sockets: int = 0
+    """TCP connections this process opened (its HTTP clients' pools)."""
+    server_sockets: int = 0
+    """TCP connections accepted on its listening ports (its clients' keep-alive pools)."""
 
 
 @dataclass(frozen=True)
@@ -136,19 +140,34 @@ def incarnations(samples: Iterable[Sample]) -> dict[tuple[str, int], list[Sample
 
 
 SOCKET_POOL_BOUND = 20
-"""Idle keep-alive connections an HTTP client may hold (httpx's default ``max_keepalive_connections``,
-the edge's client to the verifier): they close on the pool's next use, so after a burst an idle
-edge may keep up to this many sockets that a leak check must not count."""
+"""Idle keep-alive connections one HTTP client pool may hold (httpx's default
+``max_keepalive_connections``: the edge's client to the verifier, the verifier's none): they close
+on the pool's next use, so after a burst an idle edge may keep up to this many connections it
+opened. Connections it accepted are its callers' pools, bounded by theirs (``server_bound``)."""
 HARNESS = "runner"
 """The chaos run's own process (clients, proxies, records): sampled and plotted, never judged."""
 
 
-def check_flat(samples: list[Sample], warm_s: float, load_end_s: float, tolerance: float = 0.10, fd_slack: int = 8) -> Check:
+def socket_violation(process: str, before: Sample | None, after: Sample, server_bound: int, what: str) -> str | None:
+    """Whether ``after`` holds more connections than ``before`` plus the pools' bounds: those it
+    opened past ``SOCKET_POOL_BOUND``, those it accepted past ``server_bound``."""
+    opened_before = 0 if before is None else before.client_sockets
+    accepted_before = 0 if before is None else before.server_sockets
+    if after.client_sockets > opened_before + SOCKET_POOL_BOUND:
+        return f"{process}: {after.client_sockets} connections it opened against {opened_before} {what}"
+    if after.server_sockets > accepted_before + server_bound:
+        return f"{process}: {after.server_sockets} connections it accepted against {accepted_before} {what}"
+    return None
+
+
+def check_flat(
+    samples: list[Sample], warm_s: float, load_end_s: float, tolerance: float = 0.10, fd_slack: int = 8, server_bound: int = 64
+) -> Check:
     """After warm-up, each service process that ran through the load keeps its RSS within
     ``tolerance`` and its descriptors other than sockets within ``tolerance`` (or ``fd_slack``,
-    whichever is larger), its sockets within ``SOCKET_POOL_BOUND`` of where they were: the median of
-    its first three samples after warm-up against the median of its last three before the load
-    ended. A process restarted by a fault is judged from its restart on, if it ran long enough."""
+    whichever is larger): the median of its first three samples after warm-up against the median
+    of its last three before the load ended; and its connections within the pools' bounds
+    (``socket_violation``). A process restarted by a fault is judged from its restart on, if it ran long enough."""
     violations, judged = [], 0
     span = load_end_s - warm_s
     for (process, pid), series in incarnations(samples).items():
@@ -161,13 +180,13 @@ def check_flat(samples: list[Sample], warm_s: float, load_end_s: float, toleranc
         early, late = during[:3], during[-3:]
         rss_early, rss_late = statistics.median(s.rss_bytes for s in early), statistics.median(s.rss_bytes for s in late)
         files_early, files_late = (statistics.median(s.fds - s.sockets for s in part) for part in (early, late))
-        sockets_early, sockets_late = (statistics.median(s.sockets for s in part) for part in (early, late))
         if rss_late > rss_early * (1 + tolerance):
             violations.append(f"{process} (pid {pid}): RSS {rss_early / 2**20:.0f} -> {rss_late / 2**20:.0f} MiB")
         if files_late > max(files_early * (1 + tolerance), files_early + fd_slack):
             violations.append(f"{process} (pid {pid}): descriptors other than sockets {files_early:.0f} -> {files_late:.0f}")
-        if sockets_late > sockets_early + SOCKET_POOL_BOUND:
-            violations.append(f"{process} (pid {pid}): sockets {sockets_early:.0f} -> {sockets_late:.0f}")
+        sockets = socket_violation(f"{process} (pid {pid})", early[0], late[-1], server_bound, "after warm-up")
+        if sockets is not None:
+            violations.append(sockets)
     return Check(
         "memory and descriptors flat after warm-up",
         not violations,
@@ -176,12 +195,14 @@ def check_flat(samples: list[Sample], warm_s: float, load_end_s: float, toleranc
     )
 
 
-def check_back_to_idle(before: list[Sample], after: list[Sample], tolerance: float = 0.10, fd_slack: int = 8) -> Check:
+def check_back_to_idle(
+    before: list[Sample], after: list[Sample], tolerance: float = 0.10, fd_slack: int = 8, server_bound: int = 64
+) -> Check:
     """After the load and the idle wait (longer than the verifiers' session TTL and sweep): the
     verifiers hold no session (retained shared prefixes may stay: they are a cache within the KV
     budget), and every service process has about the descriptors
     other than sockets its name had before the load (within ``tolerance`` or ``fd_slack``), and
-    its sockets within ``SOCKET_POOL_BOUND``."""
+    its connections within the pools' bounds (``socket_violation``)."""
     violations = []
     baselines = {s.process: s for s in before}
     looked_at = [sample for sample in after if sample.process != HARNESS]
@@ -198,8 +219,9 @@ def check_back_to_idle(before: list[Sample], after: list[Sample], tolerance: flo
         files, baseline_files = sample.fds - sample.sockets, baseline.fds - baseline.sockets
         if files > max(baseline_files * (1 + tolerance), baseline_files + fd_slack):
             violations.append(f"{sample.process}: {files} descriptors other than sockets against {baseline_files} before the load")
-        if sample.sockets > baseline.sockets + SOCKET_POOL_BOUND:
-            violations.append(f"{sample.process}: {sample.sockets} sockets against {baseline.sockets} before the load")
+        sockets = socket_violation(sample.process, baseline, sample, server_bound, "before the load")
+        if sockets is not None:
+            violations.append(sockets)
     return Check("back to idle after the load", not violations, f"{len(looked_at)} processes looked at", _listed(violations))
 
 

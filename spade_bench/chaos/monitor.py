@@ -17,8 +17,37 @@ from spade_bench.services import parse_prometheus
 WATCHED_METRICS = ("spade_verifier_sessions", "spade_verifier_kv_cache_bytes", "spade_edge_active_requests")
 
 
-def process_sample(at_s: float, process: str, pid: int, metrics: dict[str, float]) -> Sample | None:
-    """RSS, descriptors and sockets of ``pid`` from /proc; None when it is gone."""
+TCP_LISTEN = "0A"
+
+
+def tcp_table() -> dict[str, tuple[int, str]]:
+    """Socket inode -> (local port, state) of every TCP socket (/proc/net/tcp and tcp6)."""
+    table = {}
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            table[fields[9]] = (int(fields[1].rsplit(":", 1)[1], 16), fields[3])
+    return table
+
+
+def connection_roles(links: list[str], table: dict[str, tuple[int, str]]) -> tuple[int, int]:
+    """(connections opened, connections accepted) among a process's descriptor links: accepted
+    ones have a local port the process listens on."""
+    sockets = [table[link[len("socket:[") : -1]] for link in links if link.startswith("socket:[") and link[len("socket:[") : -1] in table]
+    listening = {port for port, state in sockets if state == TCP_LISTEN}
+    connected = [port for port, state in sockets if state != TCP_LISTEN]
+    accepted = sum(1 for port in connected if port in listening)
+    return len(connected) - accepted, accepted
+
+
+def process_sample(
+    at_s: float, process: str, pid: int, metrics: dict[str, float], table: dict[str, tuple[int, str]] | None = None
+) -> Sample | None:
+    """RSS, descriptors, sockets and TCP connections by role of ``pid`` from /proc; None when it is gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fd_dir = Path(f"/proc/{pid}/fd")
@@ -32,7 +61,8 @@ def process_sample(at_s: float, process: str, pid: int, metrics: dict[str, float
         return None
     rss_kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     sockets = sum(1 for link in links if link.startswith("socket:"))
-    return Sample(at_s, process, pid, rss_kib * 1024, len(links), sockets, metrics)
+    opened, accepted = connection_roles(links, tcp_table() if table is None else table)
+    return Sample(at_s, process, pid, rss_kib * 1024, len(links), sockets, metrics, opened, accepted)
 
 
 def scrape(url: str | None) -> dict[str, float]:
@@ -59,8 +89,11 @@ class Monitor:
 
     def sample_now(self) -> list[Sample]:
         taken = []
-        for name, (pid, url) in self.targets().items():
-            sample = process_sample(self.clock(), name, pid, scrape(url))
+        targets = self.targets()
+        scraped = {name: scrape(url) for name, (_pid, url) in targets.items()}
+        table = tcp_table()
+        for name, (pid, _url) in targets.items():
+            sample = process_sample(self.clock(), name, pid, scraped[name], table)
             if sample is not None:
                 taken.append(sample)
         self.samples.extend(taken)

@@ -200,8 +200,8 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
         checks.check_not_hung(records, hung_deadline_s),
         checks.check_failures_in_windows(records, fault_records, recovery_bound_s),
         checks.check_fault_expectations(fault_records),
-        checks.check_flat(monitor.samples, config.warmup_s, load_end_s),
-        checks.check_back_to_idle(idle_before, idle_after),
+        checks.check_flat(monitor.samples, config.warmup_s, load_end_s, server_bound=harness_keepalive(config)),
+        checks.check_back_to_idle(idle_before, idle_after, server_bound=harness_keepalive(config)),
     ]
     minutes = checks.per_minute(records)
     header = [
@@ -226,7 +226,7 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
 
 async def _load(config, stack, model, long_words, hung_deadline_s, clock, monitor, schedule, recovery_bound_s):
     limits = httpx.Limits(
-        max_connections=8 * config.num_edges * config.max_concurrent_requests, max_keepalive_connections=4 * config.num_edges
+        max_connections=8 * config.num_edges * config.max_concurrent_requests, max_keepalive_connections=harness_keepalive(config)
     )
     async with httpx.AsyncClient(limits=limits) as http:
         client = Client(http, model, long_words, hung_deadline_s, clock)
@@ -241,6 +241,12 @@ async def _load(config, stack, model, long_words, hung_deadline_s, clock, monito
         for plan in faults.skipped:
             print(f"chaos: {plan.kind} planned at {plan.start_s:.0f} s was skipped: the faults before it ran too long", flush=True)
         return load.records, faults.records
+
+
+def harness_keepalive(config: ChaosConfig) -> int:
+    """Keep-alive connections the run's clients may hold in all: what an edge may have accepted
+    and keep open while idle without a leak of its own."""
+    return 4 * config.num_edges
 
 
 def _cpu_model() -> str:
