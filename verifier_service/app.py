@@ -16,6 +16,7 @@ from gateway.guards import install_guards
 from gateway.openapi import error_responses
 from gateway.routes import build_openai_router
 from gateway.security import caller_key_id, is_trusted_caller
+from verifier_service.audit import AuditLog
 from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget, RetainedKv
@@ -55,6 +56,8 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
             service: VerifierService | None = app.state.service
             if service is not None:
                 await service.backend.aclose()
+                if service.audit is not None:
+                    service.audit.close()
 
     app = FastAPI(title="SPADE verifier", lifespan=lifespan)
     app.state.settings = settings
@@ -78,7 +81,8 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     backend.observe_forwards(app.state.metrics.observe_model_forward)
     retained = backend if isinstance(backend, RetainedKv) else None
     sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings), retained)
-    app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics, settings.prefix_sharing)
+    audit = None if settings.audit_log is None else AuditLog(settings.audit_log)
+    app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics, settings.prefix_sharing, audit)
     route = settings.target_only_route()
     app.state.engine = create_target_engine(backend, route, app.state.metrics, settings.prefix_sharing)
     logger.info("verifier ready: %s (%s backend, target-only route %s)", backend.model.model_id, backend.name, route)

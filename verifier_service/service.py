@@ -14,6 +14,7 @@ import torch
 from gateway.engine import TopLogprobs as TopLogprobsOfToken
 from gateway.engine import check_logprobs_support
 from gateway.errors import InvalidRequestError, OverloadedError, SessionConflictError
+from verifier_service.audit import AuditLog, VerdictAudit
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
@@ -75,8 +76,11 @@ class VerifierService:
         limits: VerifyLimits,
         metrics: VerifierMetrics,
         prefix_sharing: PrefixSharing = "per-key",
+        audit: AuditLog | None = None,
     ) -> None:
-        """``prefix_sharing``: which calls may share cached prefixes (``prefix_sharing``)."""
+        """``prefix_sharing``: which calls may share cached prefixes (``prefix_sharing``);
+        ``audit``: where every verdict and its inputs are recorded (None: nowhere)."""
+        self.audit = audit
         self.backend = backend
         self.sessions = sessions
         self.limits = limits
@@ -112,6 +116,18 @@ class VerifierService:
             finally:
                 session.reserved_tokens = 0
             self.metrics.observe_verify(len(draft_tokens), verdict)
+            if self.audit is not None:
+                rows = None if request.draft_probs is None or not draft_tokens else request.draft_probs[: len(draft_tokens)]
+                self.audit.record(
+                    VerdictAudit(
+                        context=context,
+                        draft_tokens=draft_tokens,
+                        draft_probs=rows,
+                        sampling=request.sampling,
+                        num_accepted=verdict.num_accepted,
+                        next_token=verdict.next_token_id,
+                    )
+                )
             advice = self._advice(session.session_id)
             committed = context + draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             continuation = Continuation()

@@ -120,6 +120,15 @@ class VerifierSettings(ServiceSettings):
         ),
         json_schema_extra={"advanced": True},
     )
+    audit_log: str | None = Field(
+        None,
+        description=(
+            "Append every verify call's verdict with its inputs (context, drafted tokens and their distributions, sampling, "
+            "seed) to this JSON-lines file, for an offline re-check of the acceptance rule (python -m spade_bench.chaos.audit). "
+            "For tests and chaos runs: each line holds the call's whole context."
+        ),
+        json_schema_extra={"advanced": True},
+    )
     fast_kernels: bool = Field(
         True,
         description=(

@@ -225,6 +225,12 @@ def check_back_to_idle(
     return Check("back to idle after the load", not violations, f"{len(looked_at)} processes looked at", _listed(violations))
 
 
+def check_verdicts(num_checked: int, num_sampled: int, num_recorded: int, mismatches: tuple[str, ...]) -> Check:
+    """The verifiers' recorded verdicts, recomputed offline from their inputs (``chaos.audit``)."""
+    summary = f"{num_checked} of {num_recorded} recorded verdicts re-checked ({num_sampled} sampled), {len(mismatches)} not the rule's"
+    return Check("verdicts follow the acceptance rule", num_checked > 0 and not mismatches, summary, _listed(list(mismatches)))
+
+
 @dataclass(frozen=True)
 class MinuteStats:
     minute: int

@@ -60,6 +60,9 @@ class ChaosConfig:
     """The target's context length (the tiny target's): long prompts come near it."""
     kv_budget_contexts: int = 6
     """Each replica's --max-kv-cache-bytes, in full contexts: the KV-exhaustion fault passes it."""
+    audit_limit: int = 2000
+    """Verdicts re-checked against the acceptance rule after the run (a seeded sample, sampled
+    calls first; every one when fewer were recorded)."""
     sample_interval_s: float = 5.0
     session_ttl_s: float = 45.0
     """The replicas' --session-ttl-s: sessions orphaned by a fault (an edge killed, a link cut

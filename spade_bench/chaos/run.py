@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds the fault schedule and the request mix")
     parser.add_argument("--output", type=Path, default=Path("chaos_results"))
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--audit-limit", type=int, default=2000, help="verdicts re-checked against the acceptance rule after the run (a seeded sample)"
+    )
     return parser
 
 
@@ -50,7 +53,12 @@ def config_from(args: argparse.Namespace) -> ChaosConfig:
     duration = args.minutes * 60
     interval = args.fault_interval_s or (60.0 if duration >= 600 else 15.0)
     return ChaosConfig(
-        duration_s=duration, num_edges=args.edges, num_linked_edges=args.linked_edges, seed=args.seed, fault_interval_s=interval
+        duration_s=duration,
+        num_edges=args.edges,
+        num_linked_edges=args.linked_edges,
+        seed=args.seed,
+        fault_interval_s=interval,
+        audit_limit=args.audit_limit,
     )
 
 
@@ -203,6 +211,7 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
         checks.check_flat(monitor.samples, config.warmup_s, load_end_s, server_bound=harness_keepalive(config)),
         checks.check_back_to_idle(idle_before, idle_after, server_bound=harness_keepalive(config)),
     ]
+    results.append(audit_check(stack, config, stack.models.target))
     minutes = checks.per_minute(records)
     header = [
         f"Machine: {platform.node()}, {_cpu_model()}; {config.num_edges} edges ({config.num_linked_edges} through the fault and "
@@ -210,7 +219,8 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
         f"Load {config.duration_s:.0f} s, warm-up {config.warmup_s:.0f} s, idle after {config.idle_s:.0f} s. Recovery bound "
         f"{recovery_bound_s:.0f} s after a fault is over (a verifier's start to healthy, {load_time_s:.1f} s, plus 30 s); "
         f"hung deadline {hung_deadline_s:.0f} s.",
-        "Sampled requests are checked for shape, errors and windows, not yet token by token against the acceptance rule.",
+        "Sampled requests are checked through the verifiers' verdicts: a seeded sample of them recomputed offline "
+        f"from their recorded inputs (at most {config.audit_limit}).",
     ]
     report = markdown(header, results, fault_records, records, minutes, recovery_bound_s)
     (output / "chaos_report.md").write_text(report)
@@ -241,6 +251,18 @@ async def _load(config, stack, model, long_words, hung_deadline_s, clock, monito
         for plan in faults.skipped:
             print(f"chaos: {plan.kind} planned at {plan.start_s:.0f} s was skipped: the faults before it ran too long", flush=True)
         return load.records, faults.records
+
+
+def audit_check(stack: Stack, config: ChaosConfig, target_dir: str) -> checks.Check:
+    """Every replica's recorded verdicts (a seeded sample of ``audit_limit``) re-checked offline."""
+    from spade_bench.chaos.audit import load_target, recheck, sampled_audits
+
+    paths = [str(stack.audit_path(name)) for name in stack.replicas if stack.audit_path(name).exists()]
+    num_recorded = len(sampled_audits(paths, None))
+    started = time.monotonic()
+    result = recheck(load_target(target_dir), sampled_audits(paths, config.audit_limit, config.seed))
+    print(f"chaos: {result.num_checked} verdicts re-checked in {time.monotonic() - started:.0f} s", flush=True)
+    return checks.check_verdicts(result.num_checked, result.num_sampled, num_recorded, result.mismatches)
 
 
 def harness_keepalive(config: ChaosConfig) -> int:

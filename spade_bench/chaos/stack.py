@@ -120,6 +120,7 @@ class Stack:
         budget = self.config.kv_budget_contexts * self.config.context_limit * KV_BYTES_PER_TOKEN_TINY
         command = verifier_command(self.models.target, None, "float32", 1)
         command += ("--max-kv-cache-bytes", str(budget), "--session-ttl-s", str(self.config.session_ttl_s))
+        command += ("--audit-log", str(self.audit_path(name)))
         spec = ServiceSpec(name, command, _all_cores(), 1, self.log_dir)
         return spec if port is None else ServiceSpec(name, command, spec.cores, 1, self.log_dir, port)
 
@@ -129,6 +130,10 @@ class Stack:
         name = f"edge-{index:02d}"
         spec = ServiceSpec(name, command, _all_cores(), 1, self.log_dir)
         return spec if port is None else ServiceSpec(name, command, spec.cores, 1, self.log_dir, port)
+
+    def audit_path(self, replica: str) -> Path:
+        """Where ``replica`` records its verdicts (``--audit-log``), restarts appending."""
+        return self.log_dir / f"audit-{replica}.jsonl"
 
     @property
     def edge_urls(self) -> list[str]:
