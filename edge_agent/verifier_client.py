@@ -20,8 +20,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 
@@ -219,7 +220,7 @@ class VerifierClient:
         headers = {"content-type": "application/json", SESSION_HEADER: request.session_id} | (routing_headers or {})
         for attempt in range(self.settings.retries + 1):
             try:
-                response = await self._http.post("/v1/verify", content=body, headers=headers)
+                response = await self._uncancelled(self._http.post("/v1/verify", content=body, headers=headers))
             except httpx.TransportError as error:
                 failure, detail = type(error).__name__, f"{type(error).__name__}: {error}"
             else:
@@ -233,10 +234,27 @@ class VerifierClient:
         logger.warning("the verifier at %s is unavailable: %s", self.base_url, detail)
         raise ServiceUnavailableError(f"the verifier is unavailable ({failure})", code="verifier_unavailable")
 
+    async def _uncancelled(self, call: Coroutine[Any, Any, httpx.Response]) -> httpx.Response:
+        """``call``'s response; a caller cancelled meanwhile (its client went away) leaves the
+        request to finish in the background. httpcore 1.0 can lose a pool slot for good when a
+        request is cancelled mid-flight (encode/httpcore#1093): an edge whose clients hang up
+        would run out of connections to its verifier and answer every call 503."""
+        task = asyncio.ensure_future(call)
+        self._background.add(task)
+        task.add_done_callback(_settled)
+        task.add_done_callback(self._background.discard)
+        return await asyncio.shield(task)
+
     async def aclose(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._http.aclose()
+
+
+def _settled(task: asyncio.Task) -> None:
+    """Retrieve a background request's outcome, so a failure nobody awaited is not logged as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass

@@ -9,6 +9,7 @@ import concurrent.futures
 import logging
 import platform
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -143,6 +144,8 @@ def probe(stack: Stack, model: str, edge: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # A SIGTERM (CI's timeout, a stopped job) unwinds like Ctrl-C, so the processes it started stop too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from(args)
     nginx = find_nginx()
