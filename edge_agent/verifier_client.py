@@ -223,6 +223,8 @@ class VerifierClient:
                 response = await self._uncancelled(self._http.post("/v1/verify", content=body, headers=headers))
             except httpx.TransportError as error:
                 failure, detail = type(error).__name__, f"{type(error).__name__}: {error}"
+            except AttributeError as error:  # anyio's socket gone under httpcore as it connects (a peer reset): a lost call too
+                failure, detail = "ConnectionLost", f"{type(error).__name__} in the HTTP stack: {error}"
             else:
                 if response.status_code not in RETRYABLE_STATUSES:
                     return response, len(body)
