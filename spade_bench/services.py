@@ -125,6 +125,17 @@ class Service:
     def url(self) -> str:
         return self.spec.url
 
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """The exit status once the process ends; None if it still runs after ``timeout_s``."""
+        try:
+            return self._started_process().wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def start(self) -> Service:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         self._log = self.spec.log_path.open("w")

@@ -139,11 +139,7 @@ class FaultRunner:
         """An edge of another wire version joins: it must refuse the pool at start, naming both
         versions, and disturb no one."""
         service = Service(self.stack.other_wire_edge(OTHER_WIRE_VERSION)).start()
-        process = service._started_process()
-        try:
-            code = process.wait(timeout=120)
-        except Exception:
-            code = None
+        code = service.wait_exit(120)
         log = service.log_tail()
         service.stop()
         met = code not in (None, 0) and f"wire version {OTHER_WIRE_VERSION}" in log

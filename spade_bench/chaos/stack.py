@@ -116,20 +116,17 @@ class Stack:
     load_times_s: dict[str, float] = field(default_factory=dict)
     """Seconds from a start to healthy, per service (the first start): the recovery bound's base."""
 
-    def replica_spec(self, name: str, port: int | None = None) -> ServiceSpec:
+    def replica_spec(self, name: str) -> ServiceSpec:
         budget = self.config.kv_budget_contexts * self.config.context_limit * KV_BYTES_PER_TOKEN_TINY
         command = verifier_command(self.models.target, None, "float32", 1)
         command += ("--max-kv-cache-bytes", str(budget), "--session-ttl-s", str(self.config.session_ttl_s))
         command += ("--audit-log", str(self.audit_path(name)))
-        spec = ServiceSpec(name, command, _all_cores(), 1, self.log_dir)
-        return spec if port is None else ServiceSpec(name, command, spec.cores, 1, self.log_dir, port)
+        return ServiceSpec(name, command, _all_cores(), 1, self.log_dir)
 
-    def edge_spec(self, index: int, verifier_url: str, port: int | None = None) -> ServiceSpec:
+    def edge_spec(self, index: int, verifier_url: str) -> ServiceSpec:
         command = edge_command(self.models.draft, None, "float32", 1, verifier_url, "auto")
         command += ("--max-concurrent-requests", str(self.config.max_concurrent_requests))
-        name = f"edge-{index:02d}"
-        spec = ServiceSpec(name, command, _all_cores(), 1, self.log_dir)
-        return spec if port is None else ServiceSpec(name, command, spec.cores, 1, self.log_dir, port)
+        return ServiceSpec(f"edge-{index:02d}", command, _all_cores(), 1, self.log_dir)
 
     def audit_path(self, replica: str) -> Path:
         """Where ``replica`` records its verdicts (``--audit-log``), restarts appending."""
@@ -159,8 +156,8 @@ class Stack:
 
     def processes(self) -> dict[str, int]:
         """Name -> pid of every live process of the stack (nginx: its master)."""
-        pids = {name: service.pid for name, service in self.replicas.items() if _alive(service)}
-        pids |= {edge.spec.name: edge.pid for edge in self.edges if _alive(edge)}
+        pids = {name: service.pid for name, service in self.replicas.items() if service.is_running}
+        pids |= {edge.spec.name: edge.pid for edge in self.edges if edge.is_running}
         if self.nginx is not None and self.nginx.pid is not None:
             pids["nginx"] = self.nginx.pid
         pids["runner"] = os.getpid()
@@ -173,9 +170,7 @@ class Stack:
         self.replicas[name].stop()  # reaps it and closes its log
 
     def restart_replica(self, name: str, timeout_s: float) -> None:
-        old = self.replicas[name].spec
-        spec = ServiceSpec(old.name, old.command, old.cores, old.threads, old.log_dir, old.port)
-        self.replicas[name] = Service(spec).start()
+        self.replicas[name] = Service(self.replicas[name].spec).start()  # the same spec: the same port
         self.replicas[name].wait_healthy(timeout_s)
 
     def terminate_edge(self, index: int) -> None:
@@ -183,9 +178,7 @@ class Stack:
         self.edges[index].stop()
 
     def restart_edge(self, index: int, timeout_s: float) -> None:
-        old = self.edges[index].spec
-        spec = ServiceSpec(old.name, old.command, old.cores, old.threads, old.log_dir, old.port)
-        self.edges[index] = Service(spec).start()
+        self.edges[index] = Service(self.edges[index].spec).start()  # the same spec: the same port
         self.edges[index].wait_healthy(timeout_s)
 
     def set_link(self, index: int, link: LinkConfig) -> None:
@@ -234,10 +227,6 @@ def _start_link(nginx_port: int, seed: int) -> Link:
     server = LoopbackServer()
     server.start(proxy, ready_path=None)
     return Link(proxy, server, delay)
-
-
-def _alive(service: Service) -> bool:
-    return service._process is not None and service._process.poll() is None
 
 
 def _all_cores() -> tuple[int, ...]:
