@@ -211,6 +211,13 @@ def test_memory_must_stay_flat_after_warm_up_per_incarnation():
     assert checks.check_flat(restarted, warm_s=20, load_end_s=90).passed
 
 
+def test_a_small_process_may_grow_by_a_few_mebibytes_but_not_by_a_leak():
+    nginx = series("nginx", 13, [7.0, 7.0, 7.1, 7.6, 8.1, 8.2, 8.3, 8.3], [5] * 8)  # +18 %: one burst's buffers
+    assert checks.check_flat(nginx, warm_s=20, load_end_s=90).passed
+    leaking = series("nginx", 13, [7, 9, 11, 13, 15, 17, 19, 21], [5] * 8)
+    assert not checks.check_flat(leaking, warm_s=20, load_end_s=90).passed
+
+
 def edge_sample(at_s: float, opened: int, accepted: int, process: str = "edge-01") -> Sample:
     return Sample(at_s, process, 1, 0, 11 + opened + accepted, 1 + opened + accepted, {}, opened, accepted)
 

@@ -232,8 +232,11 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
     )
     plot(output / "plots", records, fault_records, monitor.samples, minutes)
     print(report, flush=True)
-    failed = [check.name for check in results if not check.passed]
-    print(f"chaos: {'FAILED: ' + ', '.join(failed) if failed else 'every check passed'} (report: {output / 'chaos_report.md'})", flush=True)
+    failed = [check for check in results if not check.passed]
+    verdict = "FAILED: " + ", ".join(check.name for check in failed) if failed else "every check passed"
+    print(f"chaos: {verdict} (report: {output / 'chaos_report.md'})", flush=True)
+    for check in failed:  # the last lines CI shows: what failed, not only that it did
+        print(f"chaos: {check.name}: {check.summary}; " + "; ".join(check.violations), flush=True)
     return 1 if failed else 0
 
 
