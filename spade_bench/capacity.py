@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import sys
@@ -124,6 +125,9 @@ class CapacityConfig:
     user_tokens_per_s: float = 1.0
     placement: Placement = field(default_factory=Placement.default)
     verifier_args: tuple[str, ...] = ()
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Verifiers with extra flags (label, flags) whose SPADE modes run beside the main one's,
+    per N, in the same run (``--variant``)."""
     edge_args: tuple[str, ...] = ()
     recording: Path | None = None
     startup_timeout_s: float = 900.0
@@ -132,12 +136,13 @@ class CapacityConfig:
     mix: str = ""
 
 
-def _verifier_spec(config: CapacityConfig, batch: int) -> ServiceSpec:
+def _verifier_spec(config: CapacityConfig, batch: int, variant: tuple[str, tuple[str, ...]] = ("", ())) -> ServiceSpec:
+    """The verifier of ``batch`` (``variant``: a label and the flags it adds)."""
+    label, extra = variant
     command = verifier_command(config.target, None, config.dtype, config.placement.threads)
-    command += ("--max-batch-sessions", str(batch), *config.verifier_args)
-    return ServiceSpec(
-        f"verifier-batch{batch}", command, config.placement.verifier_cores, config.placement.threads, config.output_dir / "logs"
-    )
+    command += ("--max-batch-sessions", str(batch), *config.verifier_args, *extra)
+    name = f"verifier-batch{batch}" + (f"-{label}" if label else "")
+    return ServiceSpec(name, command, config.placement.verifier_cores, config.placement.threads, config.output_dir / "logs")
 
 
 def _edge_flags(config: CapacityConfig, verifier_url: str) -> tuple[str, ...]:
@@ -195,12 +200,17 @@ def run_capacity(config: CapacityConfig) -> CapacityRun:
     run = CapacityRun(sessions)
     setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy, config.max_continued_tokens, pause_s=config.pause_s)
     for batch in config.batch_sessions:
-        with start_service(_verifier_spec(config, batch), config.startup_timeout_s) as verifier:
+        with contextlib.ExitStack() as services:
+            verifier = services.enter_context(start_service(_verifier_spec(config, batch), config.startup_timeout_s))
+            variants = tuple(
+                (variant[0], services.enter_context(start_service(_verifier_spec(config, batch, variant), config.startup_timeout_s)))
+                for variant in config.variants
+            )
             if needs_traces:
                 run.sessions = traced(config, run.sessions, verifier.url)
             write_sessions(run.sessions, config.output_dir / "recording.jsonl")
             label = f"-b{batch}" if len(config.batch_sessions) > 1 else ""
-            run.rows += measure_levels(verifier, run.sessions, config.user_counts, config.modes, setup, label)
+            run.rows += measure_levels(verifier, run.sessions, config.user_counts, config.modes, setup, label, variants)
             if config.prefill is not None:
                 time.sleep(config.pause_s)
                 prefill = replace(config.prefill, rtt_s=setup.rtt_s, policy=config.edge_policy)
@@ -262,6 +272,13 @@ def _json_report(setup: str, run: CapacityRun) -> dict:
         "prefill_interference": {str(batch): result.to_dict() for batch, result in run.interference.items()},
         "recorded": recorded,
     }
+
+
+def _variant(text: str) -> tuple[str, tuple[str, ...]]:
+    label, separator, flags = text.partition("=")
+    if not separator or not label.strip() or not label.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected LABEL=FLAGS with a word for LABEL, got {text!r}")
+    return label.strip(), tuple(shlex.split(flags))
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -332,6 +349,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verifier-args", type=shlex.split, default=(), help="extra spade-verifier flags, one quoted string")
     parser.add_argument("--edge-args", type=shlex.split, default=(), help="extra spade-edge flags, one quoted string")
     parser.add_argument(
+        "--variant",
+        type=_variant,
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="a second verifier with these extra spade-verifier flags, its SPADE modes run beside the main one's per N "
+        "(rows MODE@LABEL); repeatable. Example: --variant 'ahead=--step-ahead-tokens 8'",
+    )
+    parser.add_argument(
         "--startup-timeout-s",
         "--startup-timeout",
         dest="startup_timeout_s",
@@ -377,6 +403,7 @@ def config_from_args(args: argparse.Namespace) -> CapacityConfig:
         user_tokens_per_s=args.user_tokens_per_s,
         placement=Placement.default(args.threads),
         verifier_args=tuple(args.verifier_args),
+        variants=tuple(args.variant),
         edge_args=tuple(args.edge_args),
         recording=args.recording,
         startup_timeout_s=args.startup_timeout_s,

@@ -33,6 +33,8 @@ import httpx
 from spade_bench.capacity_record import RecordedSession
 from spade_bench.capacity_report import (
     ADVICE,
+    AHEAD_DROPPED,
+    AHEAD_USED,
     CONTINUE,
     EMULATED_MODES,
     QUEUE_HISTOGRAM,
@@ -66,7 +68,10 @@ METRIC_NAMES = (
     "spade_verifier_model_forward_rows_total",
     "spade_verifier_prompt_tokens_total",
     "spade_verifier_prefix_hit_tokens_total",  # 0 at every level: each user's calls have a salt of their own
+    "spade_verifier_ahead_steps_total",
 )
+LABELED_SERIES = (AHEAD_USED, AHEAD_DROPPED)
+"""Series of one label set each, read as they are (``parse_prometheus`` sums a name's label sets)."""
 
 
 @dataclass(frozen=True)
@@ -217,11 +222,23 @@ async def metrics_text(client: httpx.AsyncClient) -> str:
     return response.text
 
 
+def series_value(text: str, series: str) -> float | None:
+    """The value of one exposed series (``name{label="x"}``) in /metrics text, or None."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[1])
+    return None
+
+
 def metrics_delta(before: str, after: str) -> dict[str, float]:
     """The level's share of the verifier's counters (those it exposes), and its queue time p50
     from the queue histogram's buckets."""
     values_before, values_after = parse_prometheus(before), parse_prometheus(after)
     delta = {name: values_after[name] - values_before.get(name, 0.0) for name in METRIC_NAMES if name in values_after}
+    for series in LABELED_SERIES:
+        value_after = series_value(after, series)
+        if value_after is not None:
+            delta[series] = value_after - (series_value(before, series) or 0.0)
     buckets_before = histogram_buckets(before, QUEUE_HISTOGRAM)
     buckets = {bound: count - buckets_before.get(bound, 0.0) for bound, count in histogram_buckets(after, QUEUE_HISTOGRAM).items()}
     queue_p50_s = histogram_quantile(buckets, 0.5)
@@ -237,20 +254,25 @@ def measure_levels(
     modes: tuple[str, ...],
     setup: LevelSetup,
     label: str = "",
+    variants: tuple[tuple[str, Service], ...] = (),
 ) -> list[LevelRow]:
+    """Per N, each mode on ``verifier``, then each SPADE mode on each variant verifier (its
+    label joins the mode's: ``spade+continue@ahead``), side by side in the one run."""
     rows: list[LevelRow] = []
     for num_users in user_counts:
         for mode in modes:
-            if rows:
-                time.sleep(setup.pause_s)  # the level before must not leave the verifier saturated
-            level = run_level(verifier.url, mode, sessions, num_users, setup, cpu_seconds=verifier.tree_cpu_seconds)
-            users, delta = asyncio.run(level)
-            row = level_row(mode + label, users, delta)
-            print(
-                f"  {row.mode} N={num_users}: {row.aggregate_tok_s:.2f} tok/s aggregate, "
-                f"{row.user_tok_s_p50:.2f} per user (p50), {row.num_mismatches} mismatches",
-                file=sys.stderr,
-                flush=True,
-            )
-            rows.append(row)
+            runs = [(label, verifier)] + [(f"@{name}{label}", service) for name, service in variants if mode != TARGET]
+            for suffix, service in runs:
+                if rows:
+                    time.sleep(setup.pause_s)  # the level before must not leave a verifier saturated
+                level = run_level(service.url, mode, sessions, num_users, setup, cpu_seconds=service.tree_cpu_seconds)
+                users, delta = asyncio.run(level)
+                row = level_row(mode + suffix, users, delta)
+                print(
+                    f"  {row.mode} N={num_users}: {row.aggregate_tok_s:.2f} tok/s aggregate, "
+                    f"{row.user_tok_s_p50:.2f} per user (p50), {row.num_mismatches} mismatches",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                rows.append(row)
     return rows

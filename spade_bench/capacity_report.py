@@ -46,6 +46,8 @@ QUEUE_P50_MS = "queue_ms_p50"
 QUEUE_HISTOGRAM = "spade_verifier_queue_seconds"
 MODEL_FORWARDS = "spade_verifier_model_forwards_total"
 MODEL_ROWS = "spade_verifier_model_forward_rows_total"
+AHEAD_USED = 'spade_verifier_ahead_tokens_total{outcome="used"}'
+AHEAD_DROPPED = 'spade_verifier_ahead_tokens_total{outcome="dropped"}'
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,11 @@ class LevelRow:
     user_wall_p50_s: float | None = None
     continued_share: float | None = None
     """Of the tokens, those the verifier continued with by itself (None for target-only)."""
+    ahead_share: float | None = None
+    """Of the tokens, those the verifier decided ahead of a call (``--step-ahead-tokens``) that a
+    call then used (None: the verifier does not step ahead)."""
+    ahead_dropped: float | None = None
+    """Steps decided ahead and dropped, per token (wasted target rows)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,6 +161,8 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         num_cut=sum(user.num_cut for user in users),
         user_wall_p50_s=percentile([user.wall_s for user in users], 50),
         continued_share=_ratio(sum(user.num_continued for user in users), tokens) if mode != TARGET else None,
+        ahead_share=_ratio(metrics_delta.get(AHEAD_USED), tokens) if mode != TARGET and AHEAD_USED in metrics_delta else None,
+        ahead_dropped=_ratio(metrics_delta.get(AHEAD_DROPPED), tokens) if mode != TARGET and AHEAD_DROPPED in metrics_delta else None,
     )
 
 
@@ -228,8 +237,9 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
     target_rate = {row.num_users: row.aggregate_tok_s for row in rows if row.mode == TARGET}
     lines = [
         "| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
-        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | continued | mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | continued | ahead used / dropped "
+        "| mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r.num_users, r.mode != TARGET, r.mode)):
         ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
@@ -239,7 +249,7 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
             f"| {_metric(row.sessions_per_forward)} | {_metric(row.rows_per_token)} | {_metric(row.queue_ms_p50, 0)} "
             f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {_fmt(row.continued_share)} "
-            f"| {row.num_mismatches if is_spade else '–'} |"
+            f"| {_ahead(row)} | {row.num_mismatches if is_spade else '–'} |"
         )
     bounds = [f"N = {row.num_users}: {_fmt(prefill_bound(row))}×" for row in sorted(rows, key=lambda r: r.num_users) if row.mode == TARGET]
     if bounds:
@@ -250,6 +260,13 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
     capacity = ", ".join(f"{mode}: {max_users_at(rows, mode, user_tokens_per_s) or 0}" for mode in modes)
     lines.append(f"\nLargest N with every user (p99) at ≥ {user_tokens_per_s:g} tok/s — {capacity} (of the N run).")
     return "\n".join(lines)
+
+
+def _ahead(row: LevelRow) -> str:
+    """Tokens decided ahead and used / dropped, per token; – where the verifier stepped none."""
+    if not row.ahead_share and not row.ahead_dropped:
+        return "–"
+    return f"{_fmt(row.ahead_share)} / {_fmt(row.ahead_dropped)}"
 
 
 def write_plots(rows: list[LevelRow], directory: Path, title: str = "") -> list[Path]:

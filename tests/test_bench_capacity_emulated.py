@@ -19,6 +19,7 @@ from spade_bench.capacity_levels import QUIET_PAUSE_S, LevelSetup, measure_level
 from spade_bench.capacity_record import RecordedCall, RecordedSession
 from spade_bench.capacity_report import (
     ADVICE,
+    CONTINUE,
     MODEL_FORWARDS,
     MODEL_ROWS,
     QUEUE_P50_MS,
@@ -108,6 +109,26 @@ def test_emulated_edges_stay_exact_at_any_draft_length(capacity_verifier_url, tr
     # every block but the prompt-only first call holds 1 to d tokens (d, or what the budget still uses)
     max_block = 8 if draft_length == "auto" else draft_length
     assert all(user.num_calls - 1 <= user.num_drafted <= max_block * (user.num_calls - 1) for user in users)
+
+
+def test_edges_stay_exact_against_a_verifier_stepping_ahead_and_its_row_says_how_much_it_used(tiny_pair, traced):
+    """``spade+continue`` against a verifier with ``--step-ahead-tokens`` (the capacity run's
+    ``--variant``): every verdict still the target's, and the row counts the decided tokens."""
+    from types import SimpleNamespace
+
+    from verifier_support import verifier_app
+
+    setup = LevelSetup(policy=EdgePolicy("auto", max_draft_length=8), max_continued_tokens=8, pause_s=0.0)
+    app = verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=1.0, step_ahead_tokens=8)
+    with serve(app) as url, serve(verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=1.0)) as lock_step_url:
+        ahead = SimpleNamespace(url=url, tree_cpu_seconds=lambda: 0.0)
+        lock_step = SimpleNamespace(url=lock_step_url, tree_cpu_seconds=lambda: 0.0)
+        rows = measure_levels(lock_step, traced, (2,), (CONTINUE,), setup, variants=(("ahead", ahead),))
+    assert [row.mode for row in rows] == [CONTINUE, CONTINUE + "@ahead"]
+    assert [row.num_mismatches for row in rows] == [0, 0]
+    assert rows[0].ahead_share is None or rows[0].ahead_share == 0
+    assert rows[1].ahead_share is not None and rows[1].ahead_share > 0
+    assert "@ahead" in markdown_table(rows, 1.0)
 
 
 def test_no_level_or_mode_is_served_a_prompt_another_prefilled(capacity_verifier_url, traced):

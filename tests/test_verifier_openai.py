@@ -335,6 +335,10 @@ VERIFIER_COUNTERS = [
     "cut_blocks",
     "cut_tokens",
     "continued_tokens",
+    "ahead_steps",  # --step-ahead-tokens: 0 here
+    "ahead_tokens",
+    "ahead_answers",
+    "ahead_drafts",
     "native_requests",  # vLLM's own decode loop (--target-route native): 0 here
     "native_aborted",
     "prompt_tokens",

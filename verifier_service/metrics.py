@@ -117,6 +117,36 @@ class VerifierMetrics:
             " it: max_continued_tokens); each is also a target-only step in spade_verifier_forward_passes",
             registry=self.registry,
         )
+        self.ahead_steps = Counter(
+            "spade_verifier_ahead_steps",
+            "Target-only steps the verifier decoded a session by between its edge's calls (--step-ahead-tokens); each is"
+            " also in spade_verifier_forward_passes",
+            registry=self.registry,
+        )
+        self.ahead_tokens = Counter(
+            "spade_verifier_ahead_tokens",
+            "Tokens decoded ahead that a later call committed (used) or that were dropped (the session ended or was"
+            " evicted, or a call did not continue its context)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.ahead_answers = Counter(
+            "spade_verifier_ahead_answers",
+            "Verify calls answered from tokens decoded ahead, with no forward of their own (a decided token contradicted"
+            " the block, or the block ended before them)",
+            registry=self.registry,
+        )
+        self.ahead_drafts = Counter(
+            "spade_verifier_ahead_drafts",
+            "Drafted tokens checked against tokens decoded ahead: confirmed (equal: accepted without a row) or stale (at or"
+            " after the first contradiction: dropped without a row)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("used", "dropped"):  # exposed at 0 from the start
+            self.ahead_tokens.labels(outcome)
+        for outcome in ("confirmed", "stale"):
+            self.ahead_drafts.labels(outcome)
         self.native_requests = Counter(
             "spade_verifier_native_requests",
             (

@@ -26,10 +26,12 @@ from verifier_service.protocol import (
     VerifyRequest,
     VerifyResponse,
     VerifyTimings,
+    WireSampling,
     context_digest,
     verdict_digest,
 )
 from verifier_service.sessions import Session, SessionRegistry
+from verifier_service.steps_ahead import DecidedAnswer, SessionStepper, answer_from_decided
 
 PROB_SUM_TOLERANCE = 1e-3
 
@@ -44,10 +46,13 @@ class VerifyLimits:
     """Most tokens in one drafted position's sparse distribution."""
     max_continued_tokens: int = 64
     """Most tokens one call continues by itself (``continued``), whatever the call allows; 0: never."""
+    max_ahead_tokens: int = 0
+    """Most tokens decoded ahead of a session's next call (``steps_ahead``), within what each
+    call allows (its ``max_continued_tokens``); 0: lock-step."""
 
     def __post_init__(self) -> None:
-        if self.max_draft_length < 1 or self.max_draft_support < 1 or self.max_continued_tokens < 0:
-            raise ValueError("verify limits must be positive (max_continued_tokens: >= 0)")
+        if self.max_draft_length < 1 or self.max_draft_support < 1 or self.max_continued_tokens < 0 or self.max_ahead_tokens < 0:
+            raise ValueError("verify limits must be positive (max_continued_tokens, max_ahead_tokens: >= 0)")
 
 
 @dataclass
@@ -86,6 +91,8 @@ class VerifierService:
         self.limits = limits
         self.metrics = metrics
         self.prefix_sharing: PrefixSharing = prefix_sharing
+        self._steppers: dict[str, SessionStepper] = {}
+        """The sessions decoded ahead of their next call (``steps_ahead``), by owned session id."""
         metrics.kv_cache_bytes.set_function(lambda: sessions.kv_bytes)  # read at each scrape
         retained, budget = sessions.retained, sessions.kv_budget
         if retained is not None and budget is not None:
@@ -105,22 +112,43 @@ class VerifierService:
                 return session.last_response.model_copy(update={"replayed": True})
             self._check_prefix(session, request)
             context = session.token_ids[: request.prefix_length] + request.new_tokens
-            draft_tokens, draft_probs = self._cut_to_advice(session, request.draft_tokens, draft_probs)
             namespace = prefix_namespace(self.prefix_sharing, owner, request.cache_salt)
-            block = BlockToVerify(
-                session.session_id, context, draft_tokens, draft_probs, request.sampling.to_config(), request.num_top_logprobs, namespace
+            sampling = request.sampling.to_config()
+            whole = BlockToVerify(
+                session.session_id, context, request.draft_tokens, draft_probs, sampling, request.num_top_logprobs, namespace
             )
-            self._release(self.sessions.reserve(session, len(context) + len(draft_tokens)), retain=False)
+            confirmed: list[BlockVerdict] = []
+            stepper = self._steppers.pop(session.session_id, None)
+            if stepper is not None:
+                try:
+                    settled = await self._settle(stepper, whole, request.max_continued_tokens)
+                except BaseException:  # the caller went away while a step was awaited: nothing steps on unowned
+                    stepper.cancel()
+                    raise
+                if isinstance(settled, DecidedAnswer):
+                    response = self._answer_from_decided(session, request, stepper, settled, fingerprint, received_at)
+                    return self._answered(request, session, response, len(context))
+                confirmed = settled
+            num_confirmed = len(confirmed)
+            context_after = context + [verdict.next_token_id for verdict in confirmed]
+            remaining_probs = None if draft_probs is None or num_confirmed >= len(request.draft_tokens) else draft_probs[num_confirmed:]
+            draft_tokens, remaining_probs = self._cut_to_advice(session, request.draft_tokens[num_confirmed:], remaining_probs)
+            block = replace(whole, context_token_ids=context_after, draft_token_ids=draft_tokens, draft_probs=remaining_probs)
+            self._release(self.sessions.reserve(session, len(context_after) + len(draft_tokens)), retain=False)
             try:
                 verdict = await self.backend.verify_block(block)
             finally:
                 session.reserved_tokens = 0
             self.metrics.observe_verify(len(draft_tokens), verdict)
             if self.audit is not None:
-                rows = None if request.draft_probs is None or not draft_tokens else request.draft_probs[: len(draft_tokens)]
+                rows = (
+                    None
+                    if request.draft_probs is None or not draft_tokens
+                    else request.draft_probs[num_confirmed : num_confirmed + len(draft_tokens)]
+                )
                 self.audit.record(
                     VerdictAudit(
-                        context=context,
+                        context=context_after,
                         draft_tokens=draft_tokens,
                         draft_probs=rows,
                         sampling=request.sampling,
@@ -128,8 +156,9 @@ class VerifierService:
                         next_token=verdict.next_token_id,
                     )
                 )
+            verdict = after_confirmed(confirmed, verdict)
             advice = self._advice(session.session_id)
-            committed = context + draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
+            committed = context + request.draft_tokens[: verdict.num_accepted] + [verdict.next_token_id]
             continuation = Continuation()
             if advice == 0 and verdict.next_token_id not in self.backend.model.eos_token_ids:
                 continuation = await self.continued(
@@ -142,11 +171,120 @@ class VerifierService:
             response = sealed(response, fingerprint, committed_digest)
             session.commit(committed, committed_digest, fingerprint, response)
             session.advised_draft_length = advice
-        self.metrics.advised_draft_length.observe(advice)
+            self._step_ahead(session, block, committed, request)
+        return self._answered(request, session, response, len(context))
+
+    def _answered(self, request: VerifyRequest, session: Session, response: VerifyResponse, context_length: int) -> VerifyResponse:
+        """What every answered call counts and frees (``response`` is already committed)."""
+        self.metrics.advised_draft_length.observe(response.advised_draft_length)
         if request.prefix_length == 0:
-            self.metrics.prompt_tokens.inc(len(context))
+            self.metrics.prompt_tokens.inc(context_length)
         self._evict(keep=session.session_id)
         return response
+
+    # --- stepping ahead (``steps_ahead``) ---------------------------------------------------------
+
+    def _step_ahead(self, session: Session, block: BlockToVerify, committed: list[int], request: VerifyRequest) -> None:
+        """Start decoding ``session`` on after ``committed`` while its edge drafts (within the
+        call's allowance and the context's room, where the KV budget has room for it now: the
+        session stays evictable, and eviction stops it)."""
+        max_ahead = min(self.limits.max_ahead_tokens, request.max_continued_tokens)
+        room = self.backend.model.room(len(committed))
+        if max_ahead <= 0 or room <= 0 or committed[-1] in self.backend.model.eos_token_ids:
+            return
+        try:
+            self._release(self.sessions.reserve(session, len(committed) + min(max_ahead, room)), retain=False)
+        except OverloadedError:
+            return  # no room to grow its cache now: lock-step until the next call
+        finally:
+            session.reserved_tokens = 0
+        sampling = request.sampling
+        self._steppers[session.session_id] = SessionStepper(
+            self.backend, block, committed, max_ahead, room, lambda context, verdict: self._stepped(context, verdict, sampling)
+        )
+
+    def _stepped(self, context: list[int], verdict: BlockVerdict, sampling: WireSampling) -> None:
+        self.metrics.observe_forward(verdict)
+        self.metrics.ahead_steps.inc()
+        if self.audit is not None:
+            self.audit.record(
+                VerdictAudit(
+                    context=context, draft_tokens=[], draft_probs=None, sampling=sampling, num_accepted=0, next_token=verdict.next_token_id
+                )
+            )
+
+    async def _settle(self, stepper: SessionStepper, block: BlockToVerify, max_continued: int) -> DecidedAnswer | list[BlockVerdict]:
+        """The tokens decided ahead against the call's block (``answer_from_decided``): the
+        answer they give, or the decided steps that each confirm a draft (the stepper stopped;
+        the rest of the block goes to a forward after them). A step in the forward running now
+        is waited for (it is decided at that forward's end, before the block could be verified);
+        one only queued is withdrawn, unless no draft is left past the decided ones (then it is
+        the very step the call needs)."""
+        if not stepper.continues(block.context_token_ids, block):
+            self.metrics.ahead_tokens.labels("dropped").inc(len(await stepper.stop()))
+            return []
+        while True:
+            answer = answer_from_decided(block.draft_token_ids, stepper.decided_tokens, max_continued)
+            if answer is not None:
+                return answer
+            drafts_left = block.num_drafted > len(stepper.decided)
+            if stepper.is_stepping and (not drafts_left or self.backend.is_in_forward(block.session_id)):
+                await stepper.next_step()
+                continue
+            confirmed = await stepper.stop()
+            self.metrics.ahead_tokens.labels("used").inc(len(confirmed))
+            self.metrics.ahead_drafts.labels("confirmed").inc(len(confirmed))
+            return confirmed
+
+    def _answer_from_decided(
+        self, session: Session, request: VerifyRequest, stepper: SessionStepper, answer: DecidedAnswer, fingerprint: str, received_at: float
+    ) -> VerifyResponse:
+        """Answer and commit the call from the decided steps alone; the stepper goes on after them."""
+        context = list(stepper.committed)
+        used = stepper.take(answer.num_used)
+        tokens = [verdict.next_token_id for verdict in used]
+        self.metrics.ahead_answers.inc()
+        self.metrics.ahead_tokens.labels("used").inc(len(used))
+        self.metrics.ahead_drafts.labels("confirmed").inc(answer.num_accepted)
+        self.metrics.ahead_drafts.labels("stale").inc(len(request.draft_tokens) - answer.num_accepted)
+        advice = self._advice(session.session_id)
+        wants_logprobs = request.num_top_logprobs is not None
+        response = VerifyResponse(
+            session_id=request.session_id,
+            num_accepted=answer.num_accepted,
+            next_token=tokens[answer.num_accepted],
+            next_token_kind="bonus" if answer.num_accepted == len(request.draft_tokens) else "correction",
+            logprobs=[logprob for verdict in used for logprob in verdict.logprobs or []],
+            top_logprobs=[
+                TopLogprobs(token_ids=[token_id for token_id, _ in top], logprobs=[logprob for _, logprob in top])
+                for verdict in used
+                for top in verdict.top_logprobs or []
+            ]
+            if wants_logprobs
+            else None,
+            continued_tokens=tokens[answer.num_accepted + 1 :],
+            context_length=len(context) + len(tokens),
+            num_target_tokens=sum(verdict.num_target_tokens for verdict in used),
+            advised_draft_length=advice,
+            num_cached_tokens=0,
+            timings=VerifyTimings(
+                queue_ms=0.0,
+                forward_ms=sum(verdict.forward_s for verdict in used) * 1e3,
+                total_ms=(time.perf_counter() - received_at) * 1e3,
+            ),
+        )
+        committed = context + tokens
+        committed_digest = context_digest(committed)
+        response = sealed(response, fingerprint, committed_digest)
+        session.commit(committed, committed_digest, fingerprint, response)
+        session.advised_draft_length = advice
+        self._steppers[session.session_id] = stepper
+        return response
+
+    def _drop_stepper(self, session_id: str) -> None:
+        stepper = self._steppers.pop(session_id, None)
+        if stepper is not None:
+            self.metrics.ahead_tokens.labels("dropped").inc(len(stepper.cancel()))
 
     def _advice(self, session_id: str) -> int:
         advised = self.backend.advised_draft_length(session_id)
@@ -207,6 +345,7 @@ class VerifierService:
     def end_session(self, session_id: str, owner: str = "") -> SessionDeleted:
         """Another owner's session is left alone (``deleted: false``, as for an unknown one)."""
         owned_id = owned_session_id(owner, session_id)
+        self._drop_stepper(owned_id)
         deleted = self.sessions.remove(owned_id)
         self.backend.release_session(owned_id)
         self.metrics.sessions.set(len(self.sessions))
@@ -330,6 +469,7 @@ class VerifierService:
     def _release(self, session_ids: list[str], retain: bool = True) -> None:
         """``retain``: False for sessions evicted to make room (their memory is what is wanted)."""
         for session_id in session_ids:
+            self._drop_stepper(session_id)
             self.backend.release_session(session_id, retain)
         self.metrics.sessions.set(len(self.sessions))
 
@@ -342,6 +482,22 @@ def owned_session_id(owner: str, session_id: str) -> str:
 def sealed(response: VerifyResponse, fingerprint: str, committed_digest: str) -> VerifyResponse:
     """The response with its ``verdict_digest`` (over the call, the verdict and the committed context)."""
     return response.model_copy(update={"verdict_digest": verdict_digest(fingerprint, response, committed_digest)})
+
+
+def after_confirmed(confirmed: list[BlockVerdict], verdict: BlockVerdict) -> BlockVerdict:
+    """The verdict of a whole block whose first drafts were confirmed by decided steps
+    (``confirmed``) and whose rest got ``verdict``: their tokens accepted, logprobs in order."""
+    if not confirmed:
+        return verdict
+    logprobs = None if verdict.logprobs is None else [lp for step in confirmed for lp in step.logprobs or []] + verdict.logprobs
+    top = None if verdict.top_logprobs is None else [t for step in confirmed for t in step.top_logprobs or []] + verdict.top_logprobs
+    return replace(
+        verdict,
+        num_accepted=len(confirmed) + verdict.num_accepted,
+        logprobs=logprobs,
+        top_logprobs=top,
+        num_target_tokens=verdict.num_target_tokens + sum(step.num_target_tokens for step in confirmed),
+    )
 
 
 def dense_draft_probs(rows: list[SparseDistribution], vocab_size: int) -> torch.Tensor:

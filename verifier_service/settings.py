@@ -48,6 +48,19 @@ class VerifierSettings(ServiceSettings):
         ),
         json_schema_extra={"advanced": True},
     )
+    step_ahead_tokens: int = Field(
+        0,
+        ge=0,
+        le=MAX_CONTINUED_TOKENS,
+        description=(
+            "Experimental: between an edge's verify calls, decode its session on by itself, one target-only step per"
+            " forward, up to this many tokens ahead (within what each call lets the verifier continue); the next call's"
+            " drafts are checked against them, and a contradicted block is answered at once from them. Greedy output is"
+            " unchanged; at temperature > 0 the output is the target's distribution but not the lock-step's text for a"
+            " seed. 0: lock-step (the default)."
+        ),
+        json_schema_extra={"advanced": True},
+    )
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
     max_session_tokens: int = Field(
         2_000_000, ge=1, description="Committed tokens kept over all sessions.", json_schema_extra={"advanced": True}
@@ -239,4 +252,4 @@ class VerifierSettings(ServiceSettings):
     def verify_limits(self) -> VerifyLimits:
         from verifier_service.service import VerifyLimits
 
-        return VerifyLimits(self.max_draft_length, self.max_draft_support, self.max_continued_tokens)
+        return VerifyLimits(self.max_draft_length, self.max_draft_support, self.max_continued_tokens, self.step_ahead_tokens)

@@ -50,6 +50,9 @@ class BlockToVerify:
     """A step the service runs on by itself right after its session's answer
     (``VerifierService.continued``): no round trip came before it, so it says nothing of when
     the session's edge calls."""
+    ahead_step: bool = False
+    """A step the service decodes a session by between its edge's calls (``steps_ahead``): like
+    a continued step it follows no round trip, and it says nothing of the session's blocks."""
 
     @property
     def num_drafted(self) -> int:
@@ -130,6 +133,11 @@ class VerifierBackend(abc.ABC):
     def observe_forwards(self, observer: ForwardObserver) -> None:  # noqa: B027 -- optional
         """Call ``observer`` after every model forward (the service's metrics); a backend whose
         forwards are not its own to count (vLLM) keeps this no-op."""
+
+    def is_in_forward(self, session_id: str) -> bool:
+        """Whether a forward running now includes a call of this session (its verdict comes at
+        the forward's end; a call only queued could still be withdrawn at no cost)."""
+        return False
 
     def advised_draft_length(self, session_id: str) -> int | None:
         """The longest block this session should draft next, from the backend's load; None: the

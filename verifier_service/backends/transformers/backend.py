@@ -105,6 +105,9 @@ class TransformersBackend(VerifierBackend):
     def advised_draft_length(self, session_id: str) -> int | None:
         return self._scheduler.advice_for(session_id)
 
+    def is_in_forward(self, session_id: str) -> bool:
+        return self._scheduler.is_in_forward(session_id)
+
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         return await self._scheduler.submit(block, time.perf_counter())
 

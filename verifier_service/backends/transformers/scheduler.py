@@ -327,11 +327,13 @@ class Scheduler:
         self._saturation = Saturation()
         self._after_chunk = False
         """The last forward fed a big chunk of a prompt (``plan_forward``)."""
+        self._in_forward: set[str] = set()
+        """The sessions of the forward running now."""
 
     async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         future = asyncio.get_running_loop().create_future()
         pace = self._pace(block.session_id)
-        if block.continued_step:  # no round trip before it: not a gap of the session's edge
+        if block.continued_step or block.ahead_step:  # no round trip before it: not a gap of the session's edge
             pace.answered_at = None
         else:
             gap_s = pace.arrived(queued_at)
@@ -342,6 +344,9 @@ class Scheduler:
         self._ensure_worker()
         self._arrived.set()
         return await future
+
+    def is_in_forward(self, session_id: str) -> bool:
+        return session_id in self._in_forward
 
     def advice_for(self, session_id: str) -> int | None:
         """The block length this session is advised to draft next (None: no advice yet)."""
@@ -398,7 +403,10 @@ class Scheduler:
             # The sessions just answered that their service continues submit their next steps
             # now, in time for the next forward (else it starts without them whenever another
             # call is queued, and they miss every other forward).
-            await asyncio.sleep(0)
+            # Two turns: a session its service steps ahead (``steps_ahead``) starts its stepping
+            # task as its call returns, one turn after the answer, and submits one turn later.
+            for _ in range(2):
+                await asyncio.sleep(0)
             gather_started = time.perf_counter()
             await self._gather()
             self._drop_abandoned()
@@ -408,6 +416,7 @@ class Scheduler:
             self._after_chunk = feeds_big_chunk(planned, self._need, self.limits)
             shares = [Share(call.block, allowance, call.keep_cache) for call, allowance in planned]
             started = time.perf_counter()
+            self._in_forward = {call.block.session_id for call, _ in planned}
             try:
                 results, record = await loop.run_in_executor(self._executor, self._runner.run, shares)
                 log_forward(planned, results, record, started, started - gather_started)
@@ -420,6 +429,8 @@ class Scheduler:
                         self._queue.remove(call)
                         self._release_if_forgotten(call)
                     settle(call.future, error=error)
+            finally:
+                self._in_forward = set()
 
     def _ready(self) -> list[PendingCall]:
         """The queue but the calls waiting for a shared prefix another call is prefilling."""
@@ -450,6 +461,10 @@ class Scheduler:
             self._queue.remove(call)
             self._release_if_forgotten(call)
             answered.append(call.block.session_id)
+            if call.block.ahead_step:  # the session's blocks and gaps are its edge's calls'
+                self._pace(call.block.session_id).answered_at = time.perf_counter()
+                settle(call.future, verdict=verdict_of(call, result, record, started))
+                continue
             pace = self._pace(call.block.session_id) if call.keep_cache else SessionPace()
             pace.acceptance.observe(call.block.num_drafted, result.acceptance.num_accepted)
             pace.drafts = pace.drafts or call.block.num_drafted > 0
@@ -571,7 +586,7 @@ class Scheduler:
         else:
             saturated = self._saturation.is_saturated
             tokens = sum(self._expected_tokens(call, need) for call, need in needs)
-            returning = sum(call.block.continued_step for call in self._queue)  # their next step comes at once: one row
+            returning = sum(call.block.continued_step or call.block.ahead_step for call in self._queue)  # their next step comes at once
             wait_s = latest_worth_holding(
                 due, cost, Sessions(len(queued), rows, tokens), saturated, self.limits.hold_scale, Sessions(returning, returning)
             )
