@@ -103,17 +103,20 @@ def test_greedy_text_is_the_targets_whatever_the_drafts_and_the_timing(stepping,
     assert metric(client, "spade_verifier_ahead_drafts_total", 'outcome="confirmed"') > confirmed_before
 
 
-def test_it_decides_no_more_than_the_call_allows_and_stops_at_its_window(stepping, target_model):
+def test_it_stops_at_its_window_and_a_call_takes_what_it_allows(stepping, target_model):
+    """A request's first call allows no continued tokens, but the steps ahead delay nothing: the
+    verifier steps its whole window, then waits; the next call takes what it allows of them."""
     client, prompt = stepping, random_tokens(random.Random(4), 6, 300)
     before = quiet_steps(client)
     session_id = new_session_id()
-    first = verify(client, verify_body(session_id, [], [], new_tokens=prompt) | {"max_continued_tokens": 2})
-    assert wait_until(lambda: steps(client) >= before + 2, timeout_s=10)
-    assert not wait_until(lambda: steps(client) > before + 2, timeout_s=0.5)  # two, then it waits for the edge
+    first = verify(client, verify_body(session_id, [], [], new_tokens=prompt) | {"max_continued_tokens": 0})
+    assert wait_until(lambda: steps(client) >= before + WINDOW, timeout_s=10)
+    assert not wait_until(lambda: steps(client) > before + WINDOW, timeout_s=0.5)  # then it waits for the edge
     held = prompt + [first["next_token"]]
-    answer = verify(client, verify_body(session_id, held, []) | {"max_continued_tokens": 1})  # block-less: both decided tokens
+    answer = verify(client, verify_body(session_id, held, []) | {"max_continued_tokens": 1})  # block-less: two decided tokens
     assert [answer["next_token"], *answer["continued_tokens"]] == greedy_continuation(target_model.model, held, 2)
     assert answer["timings"]["queue_ms"] == 0.0  # no forward of its own
+    client.delete(f"/v1/sessions/{session_id}")
 
 
 def test_a_session_s_end_drops_what_it_decided(stepping):
@@ -121,10 +124,10 @@ def test_a_session_s_end_drops_what_it_decided(stepping):
     before = quiet_steps(client)
     dropped = metric(client, "spade_verifier_ahead_tokens_total", 'outcome="dropped"')
     session_id = new_session_id()
-    verify(client, verify_body(session_id, [], [], new_tokens=prompt) | {"max_continued_tokens": 3})
-    assert wait_until(lambda: steps(client) >= before + 3, timeout_s=10)
+    verify(client, verify_body(session_id, [], [], new_tokens=prompt) | {"max_continued_tokens": 0})
+    assert wait_until(lambda: steps(client) >= before + WINDOW, timeout_s=10)
     assert client.delete(f"/v1/sessions/{session_id}").json()["deleted"]
-    assert metric(client, "spade_verifier_ahead_tokens_total", 'outcome="dropped"') == dropped + 3
+    assert metric(client, "spade_verifier_ahead_tokens_total", 'outcome="dropped"') == dropped + WINDOW
 
 
 def test_a_call_of_other_sampling_drops_the_decided_tokens_and_is_verified_as_it_came(stepping, target_model):
@@ -187,14 +190,21 @@ def uniform_row(token_ids: list[int]) -> dict:
     return {"token_ids": token_ids, "probs": [1 / len(token_ids)] * len(token_ids)}
 
 
+@pytest.fixture(scope="module")
+def stepping_one(tiny_pair):
+    """A verifier that decides one token ahead: the next call's block meets one decided token."""
+    with running_verifier(tiny_pair, step_ahead_tokens=1) as client:
+        yield client
+
+
 @pytest.mark.slow
-def test_sampled_text_is_the_targets_distribution_through_decided_and_verified_tokens(stepping, target_model):
-    """Per seed: the prompt-only call samples n0 and lets the verifier decide one token a1 ahead;
+def test_sampled_text_is_the_targets_distribution_through_decided_and_verified_tokens(stepping_one, target_model):
+    """Per seed: the prompt-only call samples n0, and the verifier decides one token a1 ahead;
     the next call drafts [x, y] from q (uniform over the target's top 3 after each prefix, so
     x == a1 a third of the time): a confirmed x sends y to the rule's forward after a1, a
     contradicted x is answered from a1 alone and the token after comes from the call after.
     The joint (n0, a1, t2) must be the target's: p(n0) p(a1 | n0) p(t2 | n0, a1)."""
-    client, model, prompt = stepping, target_model.model, random_tokens(random.Random(7), 6, 300)
+    client, model, prompt = stepping_one, target_model.model, random_tokens(random.Random(7), 6, 300)
     exact: dict[tuple[int, ...], float] = {}
     first_probs = target_probs(model, prompt)
     for n0 in support(first_probs):

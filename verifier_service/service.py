@@ -187,8 +187,11 @@ class VerifierService:
     def _step_ahead(self, session: Session, block: BlockToVerify, committed: list[int], request: VerifyRequest) -> None:
         """Start decoding ``session`` on after ``committed`` while its edge drafts (within the
         call's allowance and the context's room, where the KV budget has room for it now: the
-        session stays evictable, and eviction stops it)."""
-        max_ahead = min(self.limits.max_ahead_tokens, request.max_continued_tokens)
+        session stays evictable, and eviction stops it). A request's first call allows no
+        continuation (its first token goes out at once), but the steps ahead delay nothing: it
+        steps the verifier's whole window, which a request shorter than that wastes at most."""
+        allowed = self.limits.max_ahead_tokens if request.prefix_length == 0 else request.max_continued_tokens
+        max_ahead = min(self.limits.max_ahead_tokens, allowed)
         room = self.backend.model.room(len(committed))
         if max_ahead <= 0 or room <= 0 or committed[-1] in self.backend.model.eos_token_ids:
             return

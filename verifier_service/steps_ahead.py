@@ -27,7 +27,9 @@ Greedy text is the target's at any timing. At temperature > 0 the text is the ta
 distribution but not today's per-seed text: a token the verifier decides alone is the seeded
 draw of the target at its position, where lock-step would have drawn the acceptance rule's.
 
-Bounded work: at most ``max_ahead`` steps past what the edge has taken; the session's end, its
+Bounded work: at most ``max_ahead`` steps past what the edge has taken (the verifier's window
+within each call's ``max_continued_tokens``, which the edge bounds by the request's budget; after
+a request's first call, which allows none, the whole window); the session's end, its
 eviction, a call that does not continue its committed context (other sampling, a resync) or a
 failed step stop it and drop what it decided.
 """
