@@ -458,10 +458,11 @@ def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters
     assert (without.sessions_per_forward, without.rows_per_token, without.mean_block) == (None, None, None)
     table = markdown_table([row, without], 1.0)
     assert table.splitlines()[0].startswith("| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s |")
-    for column in ("verifier CPU s/tok", "sessions/forward", "rows/token", "queue ms p50", "block", "cut", "continued", "mismatches"):
+    columns = ("verifier CPU s/tok", "sessions/forward", "rows/token", "queue ms p50", "block", "cut", "continued", "ahead used / dropped")
+    for column in (*columns, "mismatches"):
         assert f"| {column} |" in table.splitlines()[0] or table.splitlines()[0].endswith(f"| {column} |")
     assert "| 2 | target | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | n/a | n/a | n/a | – | – | – | – |" in table
-    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0.00 | 0 |" in table
+    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0.00 | – | 0 |" in table
     assert "Prefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — N = 2: 5.00×." in table
 
 

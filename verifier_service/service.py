@@ -282,6 +282,7 @@ class VerifierService:
         session.commit(committed, committed_digest, fingerprint, response)
         session.advised_draft_length = advice
         self._steppers[session.session_id] = stepper
+        self.backend.answered_without_forward(session.session_id, received_at, len(request.draft_tokens))
         return response
 
     def _drop_stepper(self, session_id: str) -> None:

@@ -108,6 +108,9 @@ class TransformersBackend(VerifierBackend):
     def is_in_forward(self, session_id: str) -> bool:
         return self._scheduler.is_in_forward(session_id)
 
+    def answered_without_forward(self, session_id: str, arrived_at: float, num_drafted: int) -> None:
+        self._scheduler.answered_without_forward(session_id, arrived_at, num_drafted)
+
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         return await self._scheduler.submit(block, time.perf_counter())
 

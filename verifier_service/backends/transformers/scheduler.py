@@ -333,8 +333,10 @@ class Scheduler:
     async def submit(self, block: BlockToVerify, queued_at: float) -> BlockVerdict:
         future = asyncio.get_running_loop().create_future()
         pace = self._pace(block.session_id)
-        if block.continued_step or block.ahead_step:  # no round trip before it: not a gap of the session's edge
+        if block.continued_step:  # no round trip before it: not a gap of the session's edge
             pace.answered_at = None
+        elif block.ahead_step:  # its edge's call is still awaited, from that call's answer on
+            pass
         else:
             gap_s = pace.arrived(queued_at)
             if gap_s is not None:
@@ -347,6 +349,16 @@ class Scheduler:
 
     def is_in_forward(self, session_id: str) -> bool:
         return session_id in self._in_forward
+
+    def answered_without_forward(self, session_id: str, arrived_at: float, num_drafted: int) -> None:
+        """The service answered a call of this session by itself (from steps decided ahead):
+        its gap since its last answer is learnt, and its next call is awaited from now."""
+        pace = self._pace(session_id)
+        gap_s = pace.arrived(arrived_at)
+        if gap_s is not None:
+            self._typical_gap.observe(gap_s)
+            self._away.observe(num_drafted, gap_s)
+        pace.answered_at = time.perf_counter()
 
     def advice_for(self, session_id: str) -> int | None:
         """The block length this session is advised to draft next (None: no advice yet)."""
@@ -462,7 +474,6 @@ class Scheduler:
             self._release_if_forgotten(call)
             answered.append(call.block.session_id)
             if call.block.ahead_step:  # the session's blocks and gaps are its edge's calls'
-                self._pace(call.block.session_id).answered_at = time.perf_counter()
                 settle(call.future, verdict=verdict_of(call, result, record, started))
                 continue
             pace = self._pace(call.block.session_id) if call.keep_cache else SessionPace()
@@ -569,8 +580,11 @@ class Scheduler:
         cost = self._cost
         if not cost.is_known:
             return None
-        queued = {call.block.session_id for call in self._queue}
-        needs = [(call, self._need(call)) for call in self._queue]
+        # A session stepped ahead (``ahead_step``) is awaited, not queued: its edge's call, when
+        # it comes, takes the step's place; holding for it weighs that call against the steps.
+        calls = [call for call in self._queue if not call.block.ahead_step]
+        queued = {call.block.session_id for call in calls}
+        needs = [(call, self._need(call)) for call in calls]
         rows = sum(min(need, self.limits.max_forward_rows) for _, need in needs)
         now = time.perf_counter()
         late_deviations, max_late_s = self.limits.hold_late_deviations, cost.seconds(1)
@@ -586,7 +600,7 @@ class Scheduler:
         else:
             saturated = self._saturation.is_saturated
             tokens = sum(self._expected_tokens(call, need) for call, need in needs)
-            returning = sum(call.block.continued_step or call.block.ahead_step for call in self._queue)  # their next step comes at once
+            returning = sum(call.block.continued_step for call in self._queue)  # their next step comes at once: one row
             wait_s = latest_worth_holding(
                 due, cost, Sessions(len(queued), rows, tokens), saturated, self.limits.hold_scale, Sessions(returning, returning)
             )
