@@ -574,6 +574,48 @@ class KneeRunner:
         return results, ForwardRecord(len(shares), num_rows, forward_s)
 
 
+def _stepped_edge(gap_s: float, num_rounds: int = 10) -> list[str]:
+    """One session stepped ahead (``steps_ahead``): after each answer the service submits a step
+    of it, and its edge's call comes ``gap_s`` later (the KneeRunner's one-row forward: ~0.1 s of
+    fixed part); the call withdraws the step if it has not reached a forward, else waits for it.
+    Returns, per round, what became of the step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from verifier_service.backends.transformers.scheduler import Scheduler
+
+    async def run() -> list[str]:
+        outcomes = []
+        with ThreadPoolExecutor(max_workers=1) as executor:
+            scheduler = Scheduler(KneeRunner(), executor, SchedulerLimits(max_batch_sessions=4))
+            context = list(range(1, 20))
+            await scheduler.submit(BlockToVerify("a", context, [], None, GREEDY), time.perf_counter())
+            for _ in range(num_rounds):
+                step = BlockToVerify("a", [*context, 1], [], None, GREEDY, ahead_step=True)
+                stepping = asyncio.ensure_future(scheduler.submit(step, time.perf_counter()))
+                await asyncio.sleep(gap_s)
+                scheduler.call_arrived("a", time.perf_counter(), 3)
+                if scheduler.is_in_forward("a") or stepping.done():
+                    await stepping
+                    outcomes.append("stepped")
+                else:
+                    stepping.cancel()
+                    outcomes.append("withdrawn")
+                await scheduler.submit(BlockToVerify("a", context, [5, 6, 7], None, GREEDY), time.perf_counter())
+            await scheduler.aclose()
+        return outcomes
+
+    return asyncio.run(run())
+
+
+def test_a_stepped_session_s_edge_due_within_the_fixed_part_is_held_for_not_delayed_by_a_step():
+    # An edge back 30 ms after its answer, against a forward whose fixed part is ~0.1 s: a step
+    # run meanwhile would hold its block back by a whole forward for one token, so the forward
+    # waits for the block instead (from the second round, once the gap is learnt).
+    assert _stepped_edge(0.03).count("withdrawn") >= 8
+    # An edge away longer than a forward leaves the verifier idle otherwise: the step runs.
+    assert _stepped_edge(0.25, num_rounds=5).count("stepped") >= 4
+
+
 def test_prompts_past_the_knee_do_not_turn_holding_off():
     # Two edges: a 30-token prompt each, then blocks of 1-3 drafted tokens, each drafted in
     # 30 ms after a 20 ms round trip (the two edges' lengths out of step, so their calls drift

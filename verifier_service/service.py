@@ -120,6 +120,7 @@ class VerifierService:
             confirmed: list[BlockVerdict] = []
             stepper = self._steppers.pop(session.session_id, None)
             if stepper is not None:
+                self.backend.call_arrived(session.session_id, received_at, len(request.draft_tokens))
                 try:
                     settled = await self._settle(stepper, whole, request.max_continued_tokens)
                 except BaseException:  # the caller went away while a step was awaited: nothing steps on unowned
@@ -229,11 +230,25 @@ class VerifierService:
         while True:
             answer = answer_from_decided(block.draft_token_ids, stepper.decided_tokens, max_continued)
             if answer is not None:
+                logger.debug("session %s: %d drafted, answered from %d decided ahead", block.session_id, block.num_drafted, answer.num_used)
                 return answer
             drafts_left = block.num_drafted > len(stepper.decided)
             if stepper.is_stepping and (not drafts_left or self.backend.is_in_forward(block.session_id)):
+                logger.debug(
+                    "session %s: %d drafted, %d decided: waits for the step under way",
+                    block.session_id,
+                    block.num_drafted,
+                    len(stepper.decided),
+                )
                 await stepper.next_step()
                 continue
+            logger.debug(
+                "session %s: %d drafted, %d decided confirm them (a step %s)",
+                block.session_id,
+                block.num_drafted,
+                len(stepper.decided),
+                "withdrawn" if stepper.is_stepping else "none under way",
+            )
             confirmed = await stepper.stop()
             self.metrics.ahead_tokens.labels("used").inc(len(confirmed))
             self.metrics.ahead_drafts.labels("confirmed").inc(len(confirmed))
@@ -282,7 +297,7 @@ class VerifierService:
         session.commit(committed, committed_digest, fingerprint, response)
         session.advised_draft_length = advice
         self._steppers[session.session_id] = stepper
-        self.backend.answered_without_forward(session.session_id, received_at, len(request.draft_tokens))
+        self.backend.answered_without_forward(session.session_id)
         return response
 
     def _drop_stepper(self, session_id: str) -> None:

@@ -139,9 +139,12 @@ class VerifierBackend(abc.ABC):
         the forward's end; a call only queued could still be withdrawn at no cost)."""
         return False
 
-    def answered_without_forward(self, session_id: str, arrived_at: float, num_drafted: int) -> None:  # noqa: B027 -- optional
-        """The service answered a call of this session by itself (``steps_ahead``): a backend
-        that learns when each session's calls come (the transformers scheduler) notes it."""
+    def call_arrived(self, session_id: str, arrived_at: float, num_drafted: int) -> None:  # noqa: B027 -- optional
+        """A call of a session the service steps ahead (``steps_ahead``) arrived: a backend that
+        learns when each session's calls come (the transformers scheduler) notes it."""
+
+    def answered_without_forward(self, session_id: str) -> None:  # noqa: B027 -- optional
+        """The service answered a call of this session by itself, from steps decided ahead."""
 
     def advised_draft_length(self, session_id: str) -> int | None:
         """The longest block this session should draft next, from the backend's load; None: the

@@ -108,8 +108,11 @@ class TransformersBackend(VerifierBackend):
     def is_in_forward(self, session_id: str) -> bool:
         return self._scheduler.is_in_forward(session_id)
 
-    def answered_without_forward(self, session_id: str, arrived_at: float, num_drafted: int) -> None:
-        self._scheduler.answered_without_forward(session_id, arrived_at, num_drafted)
+    def call_arrived(self, session_id: str, arrived_at: float, num_drafted: int) -> None:
+        self._scheduler.call_arrived(session_id, arrived_at, num_drafted)
+
+    def answered_without_forward(self, session_id: str) -> None:
+        self._scheduler.answered_without_forward(session_id)
 
     async def verify_block(self, block: BlockToVerify) -> BlockVerdict:
         return await self._scheduler.submit(block, time.perf_counter())

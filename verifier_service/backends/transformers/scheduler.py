@@ -350,15 +350,22 @@ class Scheduler:
     def is_in_forward(self, session_id: str) -> bool:
         return session_id in self._in_forward
 
-    def answered_without_forward(self, session_id: str, arrived_at: float, num_drafted: int) -> None:
-        """The service answered a call of this session by itself (from steps decided ahead):
-        its gap since its last answer is learnt, and its next call is awaited from now."""
+    def call_arrived(self, session_id: str, arrived_at: float, num_drafted: int) -> None:
+        """A call of a session stepped ahead reached the service at ``arrived_at``: its gap is
+        learnt from then, not from when (if at all) the call is submitted here, which may wait for
+        the session's step in the running forward (a gap that counted that wait would tell the
+        hold rule the edge comes too late to hold for, and the step would delay it every time)."""
         pace = self._pace(session_id)
         gap_s = pace.arrived(arrived_at)
         if gap_s is not None:
             self._typical_gap.observe(gap_s)
             self._away.observe(num_drafted, gap_s)
-        pace.answered_at = time.perf_counter()
+        self._arrived.set()  # a forward held for it stops waiting (the service withdraws or awaits its step first)
+
+    def answered_without_forward(self, session_id: str) -> None:
+        """The service answered a call of this session by itself (from steps decided ahead):
+        its next call is awaited from now."""
+        self._pace(session_id).answered_at = time.perf_counter()
 
     def advice_for(self, session_id: str) -> int | None:
         """The block length this session is advised to draft next (None: no advice yet)."""
@@ -564,7 +571,7 @@ class Scheduler:
         hold for the sessions due soon that are worth it (``_hold_until``)."""
         wait_until = time.perf_counter() + self.limits.batch_wait_s
         while len({call.block.session_id for call in self._queue}) < self.limits.max_batch_sessions:
-            remaining = max(wait_until, self._hold_until() or 0.0) - time.perf_counter()
+            remaining = max(wait_until, self._hold_until() or 0.0, self._ahead_hold_until() or 0.0) - time.perf_counter()
             if remaining <= 0:
                 return
             self._arrived.clear()
@@ -572,6 +579,31 @@ class Scheduler:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except TimeoutError:
                 return
+
+    def _ahead_hold_until(self) -> float | None:
+        """Until when a forward of steps ahead alone (``ahead_step``) waits instead: while the
+        edge of a stepped session is expected before that forward would end, the step would hold
+        its block back by a whole forward for one token, where waiting costs the verifier only the
+        idle time to its arrival. The edge is awaited up to that forward's time past its mean gap
+        (its gaps are bimodal: a block drafted ahead during the call goes at once, a miss is
+        drafted first); later, the steps run. None: run them now (a forward that runs for other
+        calls anyway takes the steps along)."""
+        if not self._queue or not self._cost.is_known or not all(call.block.ahead_step for call in self._queue):
+            return None
+        now = time.perf_counter()
+        forward_s = self._cost.seconds(len(self._queue))
+        latest = None
+        for call in self._queue:
+            pace = self._paces.get(call.block.session_id)
+            if pace is None or pace.answered_at is None:
+                continue
+            gap = pace.gap if pace.gap.mean_s is not None else self._typical_gap
+            if gap.mean_s is None:
+                continue
+            due_at = pace.answered_at + gap.mean_s
+            if due_at - now < forward_s:  # until a forward past its mean: an edge's gap is bimodal (drafted ahead or not)
+                latest = due_at + forward_s if latest is None else max(latest, due_at + forward_s)
+        return latest if latest is not None and latest > now else None
 
     def _hold_until(self) -> float | None:
         """Until when the next forward waits for the sessions due soon worth holding for, or None:
@@ -613,11 +645,16 @@ def log_forward(
     planned: list[tuple[PendingCall, int]], results: list[ShareResult], record: ForwardRecord, started: float, held_s: float
 ) -> None:
     """At debug level, one line per forward: when it started, how long it waited for company,
-    its model time, and per share (session id's end, rows, whether a continued step)."""
+    its model time, and per share (session id's end, rows, and whether a call, a continued step or a step ahead)."""
     if not logger.isEnabledFor(logging.DEBUG):
         return
     shares = [
-        (call.block.session_id[-6:], result.num_rows, call.block.continued_step) for (call, _), result in zip(planned, results, strict=True)
+        (
+            call.block.session_id[-6:],
+            result.num_rows,
+            "continued" if call.block.continued_step else "ahead" if call.block.ahead_step else "call",
+        )
+        for (call, _), result in zip(planned, results, strict=True)
     ]
     logger.debug("forward at %.3f: held %.1f ms, %.1f ms of model, shares %s", started, held_s * 1e3, record.model_s * 1e3, shares)
 
