@@ -598,9 +598,7 @@ class Scheduler:
             if pace is None or pace.answered_at is None:
                 continue
             gap = pace.gap if pace.gap.mean_s is not None else self._typical_gap
-            if gap.mean_s is None:
-                continue
-            due_at = pace.answered_at + gap.mean_s
+            due_at = pace.answered_at + (gap.mean_s or 0.0)  # no gap learnt yet: its edge may be back at once
             if due_at - now < forward_s:  # until a forward past its mean: an edge's gap is bimodal (drafted ahead or not)
                 latest = due_at + forward_s if latest is None else max(latest, due_at + forward_s)
         return latest if latest is not None and latest > now else None
