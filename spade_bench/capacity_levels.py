@@ -255,13 +255,16 @@ def measure_levels(
     setup: LevelSetup,
     label: str = "",
     variants: tuple[tuple[str, Service], ...] = (),
+    variant_modes: tuple[str, ...] | None = None,
 ) -> list[LevelRow]:
-    """Per N, each mode on ``verifier``, then each SPADE mode on each variant verifier (its
-    label joins the mode's: ``spade+continue@ahead``), side by side in the one run."""
+    """Per N, each mode on ``verifier``, then each SPADE mode (of ``variant_modes``; None: all)
+    on each variant verifier (its label joins the mode's: ``spade+continue@ahead``), side by
+    side in the one run."""
     rows: list[LevelRow] = []
     for num_users in user_counts:
         for mode in modes:
-            runs = [(label, verifier)] + [(f"@{name}{label}", service) for name, service in variants if mode != TARGET]
+            on_variants = mode != TARGET and (variant_modes is None or mode in variant_modes)
+            runs = [(label, verifier)] + [(f"@{name}{label}", service) for name, service in variants if on_variants]
             for suffix, service in runs:
                 if rows:
                     time.sleep(setup.pause_s)  # the level before must not leave a verifier saturated

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -87,6 +88,9 @@ class CheckConfig:
     rtt_ms: float = 20.0
     prefill_tokens: int = 2000
     batch_sessions: int = 32
+    step_ahead_tokens: int = 8
+    """A second verifier with ``--step-ahead-tokens`` this many (its ``spade+continue`` rows
+    ``@ahead``, beside the shipped one's per N); 0: none."""
 
     @property
     def shape(self) -> dict:
@@ -298,16 +302,16 @@ async def synthetic_sessions(config: CheckConfig, verifier_url: str, tokenizer) 
 # --- the run ------------------------------------------------------------------------------------
 
 
-def verifier_spec(config: CheckConfig, model_dir: Path):
+def verifier_spec(config: CheckConfig, model_dir: Path, extra: tuple[str, ...] = (), suffix: str = ""):
     from spade_bench.services import ServiceSpec, console_command
 
     command = console_command("spade-verifier", "verifier_service.cli") + (
         "--model", str(model_dir), "--device", config.device, "--dtype", config.dtype,
         "--max-batch-sessions", str(config.batch_sessions), "--max-draft-length", "64",
         "--max-context-length", str(config.prompt_tokens + config.prefill_tokens + config.max_tokens + 64),
-    )  # fmt: skip
+    ) + extra  # fmt: skip
     cores = tuple(sorted(os.sched_getaffinity(0)))
-    return ServiceSpec("verifier-gpu-check", command, cores, min(4, len(cores)), config.output_dir / "logs")
+    return ServiceSpec("verifier-gpu-check" + suffix, command, cores, min(4, len(cores)), config.output_dir / "logs")
 
 
 def run_check(config: CheckConfig) -> dict:
@@ -315,7 +319,7 @@ def run_check(config: CheckConfig) -> dict:
     from spade_bench.capacity_report import ADVICE, CONTINUE, TARGET, markdown_table
     from spade_bench.emulated_edge import EdgePolicy
     from spade_bench.prefill_interference import InterferenceSetup, interference_table, measure_interference
-    from spade_bench.services import start_service
+    from spade_bench.services import Service, start_service
     from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
@@ -336,7 +340,12 @@ def run_check(config: CheckConfig) -> dict:
         "tokens, attention one call per session (fast) or one for all (packed, the default off a CPU), medians:\n\n" + ragged_table(ragged),
     )
     step("ragged forward costs measured")
-    with start_service(verifier_spec(config, model_dir), 900) as verifier:
+    with contextlib.ExitStack() as services:
+        verifier = services.enter_context(start_service(verifier_spec(config, model_dir), 900))
+        variants: tuple[tuple[str, Service], ...] = ()
+        if config.step_ahead_tokens > 0:  # the continuous-sessions spike (Run T) beside the shipped verifier
+            ahead = verifier_spec(config, model_dir, ("--step-ahead-tokens", str(config.step_ahead_tokens)), "-ahead")
+            variants = (("ahead", services.enter_context(start_service(ahead, 900))),)
         step("verifier started")
         sessions = asyncio.run(synthetic_sessions(config, verifier.url, build_tokenizer(config.shape["vocab_size"])))
         step("target outputs generated")
@@ -345,7 +354,9 @@ def run_check(config: CheckConfig) -> dict:
         setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pause_s=BUSY_WINDOW_S)
         asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
         # Edges ignoring the advice (Run K's "spade" rows) are left out for continuation's: the GPU's time is short.
-        rows = measure_levels(verifier, sessions, config.users, (TARGET, ADVICE, CONTINUE), setup)
+        rows = measure_levels(
+            verifier, sessions, config.users, (TARGET, ADVICE, CONTINUE), setup, variants=variants, variant_modes=(CONTINUE,)
+        )
         results.add(
             {"rows": [row.to_dict() for row in rows]},
             f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
@@ -407,9 +418,17 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     parser.add_argument("--users", default="1,2,4,8,16,32", help="comma list of N (default 1,2,4,8,16,32)")
     parser.add_argument("--acceptance", type=float, default=0.7, help="chance a proposal is the target's token (default 0.7)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per user (default 128)")
+    parser.add_argument(
+        "--step-ahead-tokens",
+        type=int,
+        default=8,
+        help="a second verifier stepping this many tokens ahead, its rows beside the shipped one's (default 8; 0: none)",
+    )
     args = parser.parse_args(argv)
     config = CheckConfig(args.output, args.device, args.dtype, args.tiny, tuple(int(n) for n in args.users.split(",")))
-    config = CheckConfig(**(vars(config) | {"acceptance": args.acceptance, "max_tokens": args.max_tokens}))
+    config = CheckConfig(
+        **(vars(config) | {"acceptance": args.acceptance, "max_tokens": args.max_tokens, "step_ahead_tokens": args.step_ahead_tokens})
+    )
     if args.tiny:
         tiny = {
             "rows": (1, 2, 4, 8),

@@ -58,7 +58,8 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu_with_a_tiny_model(tmp_path):
     assert ragged == {(m, r, s) for m in ("fast", "packed") for r in (1, 2, 4, 8) for s in (1, 4)}
     assert all(cost["ms"] > 0 for cost in report["ragged_ms"])
     rows = {(row["mode"], row["num_users"]): row for row in report["rows"]}
-    assert set(rows) == {(mode, n) for mode in ("target", "spade+advice", "spade+continue") for n in (1, 2)}
+    modes = ("target", "spade+advice", "spade+continue", "spade+continue@ahead")  # @ahead: a verifier stepping ahead beside
+    assert set(rows) == {(mode, n) for mode in modes for n in (1, 2)}
     assert all(row["num_mismatches"] == 0 for row in report["rows"])
     assert all(row["tokens"] == 12 * row["num_users"] for row in report["rows"])
     assert report["prefill_interference"]["num_mismatches"] == 0
