@@ -201,7 +201,8 @@ def check_flat(
     return Check(
         "memory and descriptors flat after warm-up",
         not violations,
-        f"{judged} processes judged from {warm_s:.0f} s to {load_end_s:.0f} s, within {tolerance:.0%} or {rss_slack_bytes / 2**20:.0f} MiB of RSS",
+        f"{judged} processes judged from {warm_s:.0f} s to {load_end_s:.0f} s, "
+        f"within {tolerance:.0%} or {rss_slack_bytes / 2**20:.0f} MiB of RSS",
         _listed(violations),
     )
 
