@@ -65,6 +65,14 @@ class Continuation:
     num_target_tokens: int = 0
     forward_s: float = 0.0
 
+    def add(self, verdict: BlockVerdict) -> None:
+        """One block-less step's token, with its logprobs and cost."""
+        self.token_ids.append(verdict.next_token_id)
+        self.logprobs += verdict.logprobs or []
+        self.top_logprobs += verdict.top_logprobs or []
+        self.num_target_tokens += verdict.num_target_tokens
+        self.forward_s += verdict.forward_s
+
 
 class VerifierService:
     """The cloud half's verify service: answers the edge's verify calls. It validates a call
@@ -266,31 +274,8 @@ class VerifierService:
         self.metrics.ahead_drafts.labels("confirmed").inc(answer.num_accepted)
         self.metrics.ahead_drafts.labels("stale").inc(len(request.draft_tokens) - answer.num_accepted)
         advice = self._advice(session.session_id)
-        wants_logprobs = request.num_top_logprobs is not None
-        response = VerifyResponse(
-            session_id=request.session_id,
-            num_accepted=answer.num_accepted,
-            next_token=tokens[answer.num_accepted],
-            next_token_kind="bonus" if answer.num_accepted == len(request.draft_tokens) else "correction",
-            logprobs=[logprob for verdict in used for logprob in verdict.logprobs or []],
-            top_logprobs=[
-                TopLogprobs(token_ids=[token_id for token_id, _ in top], logprobs=[logprob for _, logprob in top])
-                for verdict in used
-                for top in verdict.top_logprobs or []
-            ]
-            if wants_logprobs
-            else None,
-            continued_tokens=tokens[answer.num_accepted + 1 :],
-            context_length=len(context) + len(tokens),
-            num_target_tokens=sum(verdict.num_target_tokens for verdict in used),
-            advised_draft_length=advice,
-            num_cached_tokens=0,
-            timings=VerifyTimings(
-                queue_ms=0.0,
-                forward_ms=sum(verdict.forward_s for verdict in used) * 1e3,
-                total_ms=(time.perf_counter() - received_at) * 1e3,
-            ),
-        )
+        verdict, continuation = decided_verdict(used, answer.num_accepted, len(request.draft_tokens))
+        response = self._response(request, len(context), verdict, continuation, received_at, advice)
         committed = context + tokens
         committed_digest = context_digest(committed)
         response = sealed(response, fingerprint, committed_digest)
@@ -336,11 +321,7 @@ class VerifierService:
                     break
                 self.metrics.observe_forward(verdict)
                 self.metrics.continued_tokens.inc()
-                continuation.token_ids.append(verdict.next_token_id)
-                continuation.logprobs += verdict.logprobs or []
-                continuation.top_logprobs += verdict.top_logprobs or []
-                continuation.num_target_tokens += verdict.num_target_tokens
-                continuation.forward_s += verdict.forward_s
+                continuation.add(verdict)
                 context.append(verdict.next_token_id)
                 if verdict.next_token_id in self.backend.model.eos_token_ids or self._advice(session.session_id) > 0:
                     break
@@ -517,6 +498,25 @@ def after_confirmed(confirmed: list[BlockVerdict], verdict: BlockVerdict) -> Blo
         top_logprobs=top,
         num_target_tokens=verdict.num_target_tokens + sum(step.num_target_tokens for step in confirmed),
     )
+
+
+def decided_verdict(used: list[BlockVerdict], num_accepted: int, num_drafted: int) -> tuple[BlockVerdict, Continuation]:
+    """A call answered from the steps decided ahead (``used``, in order): the first
+    ``num_accepted`` confirmed its drafts, the next is its next token, the rest continue it. No
+    forward of its own: no queue time, the steps' forward time."""
+    next_step = used[num_accepted]
+    verdict = replace(
+        after_confirmed(used[:num_accepted], next_step),
+        is_bonus=num_accepted == num_drafted,
+        queue_s=0.0,
+        forward_s=sum(step.forward_s for step in used[: num_accepted + 1]),
+        model_s=None,
+        num_cached_tokens=0,
+    )
+    continuation = Continuation()
+    for step in used[num_accepted + 1 :]:
+        continuation.add(step)
+    return verdict, continuation
 
 
 def dense_draft_probs(rows: list[SparseDistribution], vocab_size: int) -> torch.Tensor:
