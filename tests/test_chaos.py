@@ -211,6 +211,34 @@ def test_memory_must_stay_flat_after_warm_up_per_incarnation():
     assert checks.check_flat(restarted, warm_s=20, load_end_s=90).passed
 
 
+def restart(process: str, pid: int, first_s: float, serving_s: float, rss_serving: list[float], step=5.0) -> list[Sample]:
+    """An incarnation a fault starts at ``first_s``: loading (RSS climbing, no /metrics) until
+    ``serving_s``, then one sample per ``rss_serving`` value with its metrics."""
+    loading = [
+        Sample(t, process, pid, int((100 + 10 * i) * 2**20), 3 + i, 1) for i, t in enumerate(range(int(first_s), int(serving_s), int(step)))
+    ]
+    metrics = {"spade_verifier_sessions": 1.0}
+    serving = [Sample(serving_s + i * step, process, pid, int(r * 2**20), 12, 2, metrics) for i, r in enumerate(rss_serving)]
+    return loading + serving
+
+
+def test_a_process_a_fault_starts_is_judged_after_its_own_warm_up():
+    # What CI saw: the stack from 0 s; a verifier restarted at 38 s loads until 61 s, then serves
+    # flat; an edge restarted at 87 s serves from 124 s. Their climb while loading is a start.
+    stack = series("verifier-a", 10, [500] * 38, [12] * 38, start=0.0, step=5.0)
+    verifier_b = restart("verifier-b", 11, 38.0, 61.0, [515] * 26)
+    edge_11 = restart("edge-11", 12, 87.0, 124.0, [529] * 13)
+    result = checks.check_flat(stack + verifier_b + edge_11, warm_s=30, load_end_s=188)
+    assert result.passed, result.violations
+    assert "restarted too late to judge: edge-11 (pid 12, judged from 154 s)" in result.summary
+    assert "verifier-b" not in result.summary  # judged, from 91 s
+    # After its own warm-up a restarted process that grows is still a leak.
+    leaking_b = restart("verifier-b", 11, 38.0, 61.0, [515 + 8 * i for i in range(26)])
+    result = checks.check_flat(stack + leaking_b, warm_s=30, load_end_s=188)
+    assert not result.passed
+    assert any(v.startswith("verifier-b (pid 11): RSS 571 -> ") for v in result.violations)
+
+
 def test_a_small_process_may_grow_by_a_few_mebibytes_but_not_by_a_leak():
     nginx = series("nginx", 13, [7.0, 7.0, 7.1, 7.6, 8.1, 8.2, 8.3, 8.3], [5] * 8)  # +18 %: one burst's buffers
     assert checks.check_flat(nginx, warm_s=20, load_end_s=90).passed

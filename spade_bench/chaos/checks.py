@@ -165,6 +165,17 @@ RSS_SLACK_BYTES = 8 * 2**20
 hold ~7 MiB, and 10 % of that is one connection's buffers."""
 
 
+def judged_from(series: list[Sample], load_start_s: float, warm_s: float) -> float:
+    """When one incarnation's judged stretch begins: the load's warm-up for a process that ran
+    from the load's start; for one a fault started later, the same warm-up counted from its first
+    answer on /metrics (while it loads its model its RSS climbs and its descriptors open: that is
+    a start, not a leak), or from its first sample for a process without metrics (nginx)."""
+    if series[0].at_s <= load_start_s:
+        return warm_s
+    serving = next((s for s in series if s.metrics), series[0])
+    return serving.at_s + warm_s
+
+
 def check_flat(
     samples: list[Sample],
     warm_s: float,
@@ -178,14 +189,19 @@ def check_flat(
     ``tolerance`` (or ``rss_slack_bytes``, whichever is larger) and its descriptors other than
     sockets within ``tolerance`` (or ``fd_slack``): the median of its first three samples after warm-up against the median
     of its last three before the load ended; and its connections within the pools' bounds
-    (``socket_violation``). A process restarted by a fault is judged from its restart on, if it ran long enough."""
-    violations, judged = [], 0
+    (``socket_violation``). A process started by a fault during the load has a warm-up of its own
+    (``judged_from``): it is judged if it ran long enough after it, and named as not judged if not."""
+    violations, judged, too_short = [], 0, []
     span = load_end_s - warm_s
+    load_start_s = min((s.at_s for s in samples), default=0.0)
     for (process, pid), series in incarnations(samples).items():
         if process == HARNESS:
             continue
-        during = [s for s in series if warm_s <= s.at_s <= load_end_s]
+        own_warm_s = judged_from(series, load_start_s, warm_s)
+        during = [s for s in series if own_warm_s <= s.at_s <= load_end_s]
         if len(during) < 6 or during[-1].at_s - during[0].at_s < span / 2:
+            if series[0].at_s > load_start_s:
+                too_short.append(f"{process} (pid {pid}, judged from {own_warm_s:.0f} s)")
             continue
         judged += 1
         early, late = during[:3], during[-3:]
@@ -202,7 +218,8 @@ def check_flat(
         "memory and descriptors flat after warm-up",
         not violations,
         f"{judged} processes judged from {warm_s:.0f} s to {load_end_s:.0f} s, "
-        f"within {tolerance:.0%} or {rss_slack_bytes / 2**20:.0f} MiB of RSS",
+        f"within {tolerance:.0%} or {rss_slack_bytes / 2**20:.0f} MiB of RSS"
+        + (f"; restarted too late to judge: {', '.join(too_short)}" if too_short else ""),
         _listed(violations),
     )
 

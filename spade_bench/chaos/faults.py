@@ -48,9 +48,12 @@ class FaultRunner:
         hooks: LoadHooks,
         recovery_bound_s: float,
         latest_start_s: float,
+        start_bound_s: float,
     ) -> None:
         """``latest_start_s``: a fault delayed past this (by the ones before it) is skipped, so
-        every fault is over, and recovered from, before the load ends."""
+        every fault is over, and recovered from, before the load ends. ``start_bound_s``: how long
+        a process a fault (re)starts may take to answer its health check: under the load the CPUs
+        are shared with every other process, as they were when all the edges started at once."""
         self.stack = stack
         self.plans = plans
         self.latest_start_s = latest_start_s
@@ -58,6 +61,7 @@ class FaultRunner:
         self.clock = clock
         self.hooks = hooks
         self.recovery_bound_s = recovery_bound_s
+        self.start_bound_s = start_bound_s
         self.records: list[FaultRecord] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-faults", daemon=True)
@@ -91,7 +95,7 @@ class FaultRunner:
             logger.warning("chaos: %s over at %.1f s, answered again after %s s", plan.kind, record.ended_s, record.recovered_s)
 
     def execute(self, plan: FaultPlan, started: float) -> FaultRecord:
-        stack, timeout = self.stack, self.recovery_bound_s
+        stack, timeout = self.stack, self.start_bound_s
         kind, target = plan.kind, plan.target
         if kind in ("replica_kill", "verifier_kill"):
             names = [REPLICAS[target]] if kind == "replica_kill" else list(REPLICAS)
@@ -124,10 +128,10 @@ class FaultRunner:
             )
             return FaultRecord(kind, started, self.clock(), (target,), f"edge {target}'s link: {detail} for {plan.duration_s:.0f} s")
         if kind == "rate_burst":
-            self.hooks.burst(target).result(timeout=timeout * 4)
+            self.hooks.burst(target).result(timeout=self.recovery_bound_s * 4)
             return FaultRecord(kind, started, self.clock(), (target,), f"a burst past edge {target}'s concurrency limit")
         if kind == "kv_exhaustion":
-            self.hooks.long_prompts().result(timeout=timeout * 4)
+            self.hooks.long_prompts().result(timeout=self.recovery_bound_s * 4)
             return FaultRecord(kind, started, self.clock(), None, "a prompt near the context limit to every edge at once")
         if kind == "wire_mismatch_edge":
             return self._other_wire_edge(started)
@@ -151,7 +155,7 @@ class FaultRunner:
         request, and say in its log where it built its kernel instead."""
         service = Service(self.stack.unwritable_cache_replica()).start()
         try:
-            service.wait_healthy(self.recovery_bound_s)
+            service.wait_healthy(self.start_bound_s)
             body = {"model": "any", "messages": [{"role": "user", "content": "ping"}], "max_tokens": 2, "temperature": 0}
             models = httpx.get(service.url + "/v1/models", timeout=30).json()["data"]
             answered = httpx.post(service.url + "/v1/chat/completions", json=body | {"model": models[0]["id"]}, timeout=60).status_code

@@ -172,6 +172,7 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
     model = httpx.get(stack.edges[0].url + "/v1/models", timeout=30).json()["data"][0]["id"]
     load_time_s = max(seconds for name, seconds in stack.load_times_s.items() if name != "edges")
     recovery_bound_s = load_time_s + 30.0
+    start_bound_s = max(stack.load_times_s.values()) + 30.0
     hung_deadline_s = recovery_bound_s + 30.0
     plans = greedy_plans(config, RequestMix(config, 0).shares.num_prompts)
     started = time.monotonic()
@@ -193,11 +194,12 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
     print(
         f"chaos: load for {config.duration_s:.0f} s, {len(schedule)} faults, recovery bound {recovery_bound_s:.0f} s "
         f"(a verifier's start to healthy {load_time_s:.1f} s, plus 30 s; {config.num_edges} edges started in "
-        f"{stack.load_times_s['edges']:.1f} s), hung after {hung_deadline_s:.0f} s without a byte",
+        f"{stack.load_times_s['edges']:.1f} s: a restart may take {start_bound_s:.0f} s), "
+        f"hung after {hung_deadline_s:.0f} s without a byte",
         flush=True,
     )
     records, fault_records = asyncio.run(
-        _load(config, stack, model, long_words, hung_deadline_s, clock, monitor, schedule, recovery_bound_s)
+        _load(config, stack, model, long_words, hung_deadline_s, clock, monitor, schedule, recovery_bound_s, start_bound_s)
     )
     load_end_s = clock()
     time.sleep(config.idle_s)
@@ -240,7 +242,7 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
     return 1 if failed else 0
 
 
-async def _load(config, stack, model, long_words, hung_deadline_s, clock, monitor, schedule, recovery_bound_s):
+async def _load(config, stack, model, long_words, hung_deadline_s, clock, monitor, schedule, recovery_bound_s, start_bound_s):
     limits = httpx.Limits(
         max_connections=8 * config.num_edges * config.max_concurrent_requests, max_keepalive_connections=harness_keepalive(config)
     )
@@ -249,7 +251,7 @@ async def _load(config, stack, model, long_words, hung_deadline_s, clock, monito
         load = Load(config, stack, client, asyncio.get_running_loop())
         hooks = LoadHooks(load.burst, load.long_prompts, lambda edge: probe(stack, model, edge))
         latest_start_s = config.duration_s - config.fault_interval_s
-        faults = FaultRunner(stack, schedule, clock, hooks, recovery_bound_s, latest_start_s)
+        faults = FaultRunner(stack, schedule, clock, hooks, recovery_bound_s, latest_start_s, start_bound_s)
         monitor.start()
         faults.start()
         await asyncio.gather(*(load.worker(edge) for edge in range(config.num_edges)))
