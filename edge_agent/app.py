@@ -84,6 +84,7 @@ async def build_engine(
         prefill_first=settings.prefill_first,
         max_continued_tokens=settings.max_continued_tokens,
     )
+    metrics.watch_drafter(drafter)
     return SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
 
 

@@ -62,7 +62,20 @@ class DraftSession(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DraftContexts:
+    """What a drafter holds at one moment (the edge's /metrics; a leak shows as growth here)."""
+
+    live: int
+    """Sessions of requests in progress, each with its draft KV cache."""
+    retained: int
+    """Finished sessions' caches kept as prefixes to copy from (bounded)."""
+    retained_tokens: int
+
+
 class Drafter(Protocol):
+    def contexts(self) -> DraftContexts: ...
+
     def start_session(self, prefix_owner: str = "") -> DraftSession:
         """A session for one request; it reuses prefixes only of sessions with the same
         ``prefix_owner`` (``draft_prefixes.prefix_owner``: the API key and cache_salt)."""
@@ -106,6 +119,10 @@ class ModelDrafter:
     @property
     def num_retained_tokens(self) -> int:
         return self._retained.num_tokens
+
+    def contexts(self) -> DraftContexts:
+        with self._lock:
+            return DraftContexts(len(self._live), len(self._retained), self._retained.num_tokens)
 
     def start_session(self, prefix_owner: str = "") -> ModelDraftSession:
         with self._lock:

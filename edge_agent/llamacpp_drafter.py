@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from edge_agent.draft_prefixes import CellLedger, PrefixMatch, Retained, RetainedPrefixes, longest_prefix
-from edge_agent.drafter import DRAFT_STREAM, DraftBlock, DraftLimits, sample_draft_token
+from edge_agent.drafter import DRAFT_STREAM, DraftBlock, DraftContexts, DraftLimits, sample_draft_token
 from gateway.errors import InvalidRequestError, OverloadedError
 from spade_core.params import SamplingConfig
 from spade_core.sampling import position_uniforms
@@ -208,6 +208,10 @@ class LlamaCppDrafter:
     def num_used_cells(self) -> int:
         """KV cells occupied, live and retained sequences together, a shared cell counted once."""
         return self._cells.num_used
+
+    def contexts(self) -> DraftContexts:
+        with self._lock:
+            return DraftContexts(len(self._sessions), len(self._retained), self._retained.num_tokens)
 
     def start_session(self, prefix_owner: str = "") -> LlamaCppDraftSession:
         """A session for one request; it shares prefixes only with sequences of the same

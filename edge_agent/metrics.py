@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 if TYPE_CHECKING:
+    from edge_agent.drafter import Drafter
     from edge_agent.verifier_client import VerifyCall
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -19,6 +20,13 @@ class EdgeMetrics:
         r = self.registry
         self.requests = Counter("spade_edge_requests", "Generation requests started", registry=r)
         self.active_requests = Gauge("spade_edge_active_requests", "Generation requests in progress", registry=r)
+        self.draft_sessions = Gauge(
+            "spade_edge_draft_sessions", "Draft sessions (each with its KV cache) of requests in progress", registry=r
+        )
+        self.draft_retained = Gauge(
+            "spade_edge_draft_retained_sessions", "Finished requests' draft caches kept as prefixes to copy from (bounded)", registry=r
+        )
+        self.draft_retained_tokens = Gauge("spade_edge_draft_retained_tokens", "Tokens of the retained draft caches", registry=r)
         self.generated_tokens = Counter(
             "spade_edge_generated_tokens",
             (
@@ -130,6 +138,12 @@ class EdgeMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def watch_drafter(self, drafter: Drafter) -> None:
+        """The draft gauges read ``drafter.contexts()`` at every scrape."""
+        self.draft_sessions.set_function(lambda: drafter.contexts().live)
+        self.draft_retained.set_function(lambda: drafter.contexts().retained)
+        self.draft_retained_tokens.set_function(lambda: drafter.contexts().retained_tokens)
 
     def observe_call(self, call: VerifyCall, num_drafted: int, exposed_draft_s: float) -> None:
         """One verified block: its tokens, bytes and times."""

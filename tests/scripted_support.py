@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_agent.draft_length import DraftLengthPolicy, FixedDraftLength
-from edge_agent.drafter import DraftBlock
+from edge_agent.drafter import DraftBlock, DraftContexts
 from edge_agent.engine import EngineOptions, ServedModel, SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
@@ -47,6 +47,9 @@ class ScriptedDrafter:
 
     num_cached_tokens: int = 0
     """No prefix reuse here (the draft's reuse: tests/test_drafter_prefixes.py)."""
+
+    def contexts(self) -> DraftContexts:
+        return DraftContexts(0, 0, 0)  # holds no cache
 
     def start_session(self, prefix_owner: str = "") -> ScriptedDrafter:
         return self

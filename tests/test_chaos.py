@@ -226,12 +226,14 @@ def test_a_process_a_fault_starts_is_judged_after_its_own_warm_up():
     # What CI saw: the stack from 0 s; a verifier restarted at 38 s loads until 61 s, then serves
     # flat; an edge restarted at 87 s serves from 124 s. Their climb while loading is a start.
     stack = series("verifier-a", 10, [500] * 38, [12] * 38, start=0.0, step=5.0)
+    stack += series("verifier-b", 8, [500] * 7, [12] * 7, start=0.1, step=5.0)  # killed at 30 s
+    stack += series("edge-11", 9, [330] * 18, [12] * 18, start=0.2, step=5.0)  # terminated at 86 s
     verifier_b = restart("verifier-b", 11, 38.0, 61.0, [515] * 26)
     edge_11 = restart("edge-11", 12, 87.0, 124.0, [529] * 13)
     result = checks.check_flat(stack + verifier_b + edge_11, warm_s=30, load_end_s=188)
     assert result.passed, result.violations
-    assert "restarted too late to judge: edge-11 (pid 12, judged from 154 s)" in result.summary
-    assert "verifier-b" not in result.summary  # judged, from 91 s
+    assert result.summary.endswith("restarted too late to judge: edge-11 (pid 12, judged from 154 s)")
+    assert result.summary.startswith("2 processes judged")  # verifier-a, and verifier-b from 91 s; the stopped ones ran too short
     # After its own warm-up a restarted process that grows is still a leak.
     leaking_b = restart("verifier-b", 11, 38.0, 61.0, [515 + 8 * i for i in range(26)])
     result = checks.check_flat(stack + leaking_b, warm_s=30, load_end_s=188)
@@ -271,6 +273,13 @@ def test_back_to_idle_wants_no_session_held_and_the_descriptors_of_before():
     assert checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 33, 5, {"spade_verifier_sessions": 0})]).passed
     assert not checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 33, 5, {"spade_verifier_sessions": 2})]).passed
     assert not checks.check_back_to_idle(before, [Sample(99, "verifier-a", 2, 0, 90, 5)]).passed
+    # An edge whose draft sessions outlive their requests leaks a draft KV cache each; retained
+    # prefixes are a bounded cache and may stay.
+    idle_edge = {"spade_edge_draft_sessions": 0, "spade_edge_draft_retained_sessions": 3}
+    edge_before = [Sample(0, "edge-00", 3, 0, 30, 5)]
+    assert checks.check_back_to_idle(edge_before, [Sample(99, "edge-00", 3, 0, 30, 5, idle_edge)]).passed
+    leaking = checks.check_back_to_idle(edge_before, [Sample(99, "edge-00", 3, 0, 30, 5, idle_edge | {"spade_edge_draft_sessions": 2})])
+    assert leaking.violations == ("edge-00: 2 draft sessions still live (each holds a draft KV cache)",)
 
 
 def test_per_minute_latency_and_rate():

@@ -39,6 +39,7 @@ from servers import serve
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends import cpu_kernels
+from verifier_service.backends.cpu_attention import KERNEL_ATTRIBUTE, rowwise_attention
 from verifier_service.backends.cpu_kernels import (
     COMPILE_TIMEOUT_S,
     ISA_FLAGS,
@@ -168,6 +169,71 @@ def kernel_has_populate_write() -> bool:
     return (major, minor) >= (5, 14)
 
 
+# --- the batch-invariant attention -----------------------------------------------------------
+
+
+def attention_inputs(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, num_keys: int, seed: int = 0):
+    """query [1, heads, rows, d] as transformers hands it (a transposed view), key and value
+    [1, kv heads, keys, d] as views into a larger buffer (the growing cache's spare room)."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, num_rows, num_heads, head_dim, generator=generator).transpose(1, 2)
+    buffers = [torch.randn(1, num_kv_heads, num_keys + 7, head_dim, generator=generator) * 2 for _ in range(2)]
+    return query, buffers[0][:, :, :num_keys], buffers[1][:, :, :num_keys]
+
+
+def torch_rowwise(query, key, value, scaling) -> torch.Tensor:
+    """The torch path of rowwise_attention (no kernel on the module)."""
+    return rowwise_attention(torch.nn.Module(), query, key, value, None, scaling)[0]
+
+
+ATTENTION_SHAPES = [  # rows, heads, KV heads, head_dim, keys
+    (1, 4, 2, 16, 1),
+    (9, 4, 2, 16, 20),
+    (9, 12, 2, 128, 300),
+    (5, 8, 8, 64, 37),
+    (16, 6, 1, 32, 16),
+    (3, 14, 2, 64, 1000),
+]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+def test_attention_kernel_matches_torch_rowwise_attention(library, shape):
+    query, key, value = attention_inputs(*shape)
+    assert library.can_attend(query, key, value)
+    scaling = shape[3] ** -0.5
+    expected = torch_rowwise(query, key, value, scaling)
+    got = library.rowwise_attention(query, key, value, scaling)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("num_rows", [2, 9, 16])
+def test_attention_kernel_row_is_bitwise_the_same_alone_or_among_others(library, num_rows):
+    """Row r of an R-row call equals a one-row call at its position (keys up to its own), bitwise,
+    whatever the thread count."""
+    query, key, value = attention_inputs(num_rows, 12, 2, 128, 200, seed=num_rows)
+    block = library.rowwise_attention(query, key, value, 0.125)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for row in range(num_rows):
+                visible = 200 - num_rows + row + 1
+                alone = library.rowwise_attention(query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], 0.125)
+                assert torch.equal(alone[0, 0], block[0, row]), (threads, row)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_attention_the_kernel_cannot_take_goes_through_torch(library):
+    query, key, value = attention_inputs(2, 4, 2, 20, 10)  # head_dim not a multiple of the vector width
+    assert not library.can_attend(query, key, value)
+    assert not library.can_attend(*(tensor.double() for tensor in (query, key, value)))
+    module = torch.nn.Module()
+    setattr(module, KERNEL_ATTRIBUTE, library)
+    assert torch.equal(rowwise_attention(module, query, key, value, None, 0.2)[0], torch_rowwise(query, key, value, 0.2))
+
+
 def test_an_unwritable_cache_builds_the_kernel_in_the_fallback_directory(tmp_path, monkeypatch, caplog):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the cache should be: nothing can be created under it, even by root")
@@ -231,8 +297,17 @@ CACHES = {"dynamic": dynamic_cache, "growing": growing_cache}
 
 
 @pytest.mark.parametrize("cache_kind", CACHES)
-def test_batch_invariant_rows_are_bitwise_equal_to_one_token_steps(model, library, cache_kind):
+def test_batch_invariant_rows_are_bitwise_equal_to_one_token_steps(model, library, cache_kind, monkeypatch):
+    calls = []
+    attend = cpu_kernels.KernelLibrary.rowwise_attention
+
+    def counted(self, *args):
+        calls.append(args[0].shape)
+        return attend(self, *args)
+
+    monkeypatch.setattr(cpu_kernels.KernelLibrary, "rowwise_attention", counted)
     assert_rows_bitwise_equal_to_one_token_steps(model, library, cache_kind)
+    assert len(calls) >= model.config.num_hidden_layers * 15  # every layer's attention of every block went through the kernel
 
 
 @pytest.mark.parametrize("cache_kind", CACHES)
@@ -285,11 +360,14 @@ def test_removing_the_patch_restores_stock_transformers_exactly(model, library, 
     stock = block_logits(model, TOKENS, PREFIX, 9)
     patch = apply_cpu_kernels(model, library, batch_invariant)
     block_logits(model, TOKENS, PREFIX, 9)
+    carrying = [module for module in model.modules() if hasattr(module, KERNEL_ATTRIBUTE)]
+    assert len(carrying) == (model.config.num_hidden_layers if batch_invariant else 0)
+    assert patch.attention == ("spade_rowwise (kernel-" + library.isa.lower() + ")" if batch_invariant else "spade_gqa")
     permuted = [name for name, parameter in model.named_parameters() if not torch.equal(parameter, original[name])]
     assert len(permuted) == len(patch.packed) > 0  # packed in place, nothing else touched
     patch.remove()
     assert all(torch.equal(parameter, original[name]) for name, parameter in model.named_parameters())
-    assert not any("forward" in vars(module) for module in model.modules())
+    assert not any("forward" in vars(module) or hasattr(module, KERNEL_ATTRIBUTE) for module in model.modules())
     assert torch.equal(block_logits(model, TOKENS, PREFIX, 9), stock)
     assert model.config._attn_implementation == "eager"
 
@@ -362,7 +440,17 @@ def test_the_kernel_exports_exactly_what_the_python_side_calls(library):
     listing = subprocess.run(["nm", "-D", "--defined-only", str(library.path)], capture_output=True, text=True, check=True).stdout
     exported = {fields[2] for fields in map(str.split, listing.splitlines()) if len(fields) == 3 and fields[1] == "T"}
     called = set(re.findall(r"library\.(spade_\w+)", KERNEL_SOURCE.with_suffix(".py").read_text()))
-    assert exported == called == {"spade_linear", "spade_packed_linear", "spade_panel_width"}
+    assert (
+        exported
+        == called
+        == {
+            "spade_linear",
+            "spade_packed_linear",
+            "spade_panel_width",
+            "spade_rowwise_attention",
+            "spade_attention_lanes",
+        }
+    )
 
 
 def test_kernels_are_not_applied_off_float32(tiny_pair):

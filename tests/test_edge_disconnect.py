@@ -68,6 +68,15 @@ def test_the_edge_counts_no_active_request_after_the_client_left(servers, discon
     assert metric_value(edge_url, "spade_edge_active_requests") == 0
 
 
+def test_the_draft_session_of_a_client_that_left_is_closed_and_its_cache_retained(servers, disconnect):
+    """The drafter's gauges (what the chaos run watches for leaks): no live draft session once
+    idle; the abandoned request's cache kept as one retained prefix, within the token bound."""
+    _, edge_url = servers
+    assert metric_value(edge_url, "spade_edge_draft_sessions") == 0
+    assert metric_value(edge_url, "spade_edge_draft_retained_sessions") >= 1
+    assert 0 < metric_value(edge_url, "spade_edge_draft_retained_tokens") <= 4096
+
+
 def test_the_generation_ended_long_before_its_budget(disconnect):
     assert disconnect.generated_after - disconnect.generated_before < MAX_TOKENS / 2
 

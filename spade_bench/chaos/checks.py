@@ -165,13 +165,11 @@ RSS_SLACK_BYTES = 8 * 2**20
 hold ~7 MiB, and 10 % of that is one connection's buffers."""
 
 
-def judged_from(series: list[Sample], load_start_s: float, warm_s: float) -> float:
-    """When one incarnation's judged stretch begins: the load's warm-up for a process that ran
-    from the load's start; for one a fault started later, the same warm-up counted from its first
-    answer on /metrics (while it loads its model its RSS climbs and its descriptors open: that is
-    a start, not a leak), or from its first sample for a process without metrics (nginx)."""
-    if series[0].at_s <= load_start_s:
-        return warm_s
+def judged_from(series: list[Sample], warm_s: float) -> float:
+    """When the judged stretch of a process a fault (re)started begins: the load's warm-up
+    counted from its first answer on /metrics (while it loads its model its RSS climbs and its
+    descriptors open: that is a start, not a leak), or from its first sample for a process
+    without metrics (nginx)."""
     serving = next((s for s in series if s.metrics), series[0])
     return serving.at_s + warm_s
 
@@ -193,14 +191,18 @@ def check_flat(
     (``judged_from``): it is judged if it ran long enough after it, and named as not judged if not."""
     violations, judged, too_short = [], 0, []
     span = load_end_s - warm_s
-    load_start_s = min((s.at_s for s in samples), default=0.0)
-    for (process, pid), series in incarnations(samples).items():
+    grouped = incarnations(samples)
+    first_pids: dict[str, int] = {}  # the incarnation of each process that the stack started
+    for process, pid in sorted(grouped, key=lambda incarnation: grouped[incarnation][0].at_s):
+        first_pids.setdefault(process, pid)
+    for (process, pid), series in grouped.items():
         if process == HARNESS:
             continue
-        own_warm_s = judged_from(series, load_start_s, warm_s)
+        restarted = first_pids[process] != pid
+        own_warm_s = judged_from(series, warm_s) if restarted else warm_s
         during = [s for s in series if own_warm_s <= s.at_s <= load_end_s]
         if len(during) < 6 or during[-1].at_s - during[0].at_s < span / 2:
-            if series[0].at_s > load_start_s:
+            if restarted:  # (a process a fault stopped early is judged in its restart)
                 too_short.append(f"{process} (pid {pid}, judged from {own_warm_s:.0f} s)")
             continue
         judged += 1
@@ -229,9 +231,10 @@ def check_back_to_idle(
 ) -> Check:
     """After the load and the idle wait (longer than the verifiers' session TTL and sweep): the
     verifiers hold no session (retained shared prefixes may stay: they are a cache within the KV
-    budget), and every service process has about the descriptors
-    other than sockets its name had before the load (within ``tolerance`` or ``fd_slack``), and
-    its connections within the pools' bounds (``socket_violation``)."""
+    budget), the edges no live draft session (retained draft prefixes may stay, bounded), and
+    every service process has about the descriptors other than sockets its name had before the
+    load (within ``tolerance`` or ``fd_slack``), and its connections within the pools' bounds
+    (``socket_violation``)."""
     violations = []
     baselines = {s.process: s for s in before}
     looked_at = [sample for sample in after if sample.process != HARNESS]
@@ -242,6 +245,9 @@ def check_back_to_idle(
             violations.append(
                 f"{sample.process}: {sessions:.0f} sessions still held ({kv_bytes / 2**20:.1f} MiB of KV with retained prefixes)"
             )
+        drafting = sample.metrics.get("spade_edge_draft_sessions")
+        if drafting:
+            violations.append(f"{sample.process}: {drafting:.0f} draft sessions still live (each holds a draft KV cache)")
         baseline = baselines.get(sample.process)
         if baseline is None:
             continue

@@ -14,7 +14,14 @@ import httpx
 from spade_bench.chaos.checks import Sample
 from spade_bench.services import parse_prometheus
 
-WATCHED_METRICS = ("spade_verifier_sessions", "spade_verifier_kv_cache_bytes", "spade_edge_active_requests")
+WATCHED_METRICS = (
+    "spade_verifier_sessions",
+    "spade_verifier_kv_cache_bytes",
+    "spade_edge_active_requests",
+    "spade_edge_draft_sessions",
+    "spade_edge_draft_retained_sessions",
+    "spade_edge_draft_retained_tokens",
+)
 
 
 TCP_LISTEN = "0A"

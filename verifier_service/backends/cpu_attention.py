@@ -10,7 +10,9 @@ their one KV head instead, with the same additive mask, so nothing is copied.
 ``rowwise_attention`` (batch-invariant mode) runs each query row on its own against exactly the
 keys it may see, with no mask. A block's row at position p then performs the very operations,
 on tensors of the very shapes, that a one-token forward at position p performs, so its output
-does not depend on how many rows share the forward. It needs what the verifier always has: one
+does not depend on how many rows share the forward. Where the model's attention modules carry the
+compiled kernel (``KERNEL_ATTRIBUTE``), it does the same in one C call per layer
+(``cpu_kernels.c``, "batch-invariant attention"); else a few torch operations per row. It needs what the verifier always has: one
 sequence (batch 1), no padding, no sliding window, and the new rows at the end of the keys.
 """
 
@@ -23,6 +25,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 GQA_ATTENTION = "spade_gqa"
 ROWWISE_ATTENTION = "spade_rowwise"
+KERNEL_ATTRIBUTE = "spade_attention_kernel"
+"""Set on a model's attention modules by ``cpu_kernels.apply_cpu_kernels``: the compiled kernel
+that runs ``rowwise_attention`` (one C call per layer instead of a few torch operations per row)."""
 
 
 def register_attention() -> None:
@@ -79,6 +84,9 @@ def rowwise_attention(
     batch, num_heads, num_rows, head_dim = query.shape
     if batch != 1 or kwargs.get("sliding_window"):
         raise ValueError("batch-invariant attention takes one sequence without a sliding window")
+    kernel = getattr(module, KERNEL_ATTRIBUTE, None)
+    if kernel is not None and kernel.can_attend(query, key, value):
+        return kernel.rowwise_attention(query, key, value, scaling), None
     num_kv_heads, num_keys = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
     output = query.new_empty(1, num_rows, num_heads, head_dim)

@@ -363,3 +363,168 @@ void spade_packed_linear(const float *x, const float *wp, const float *bias, flo
         else packed_groups(x, wp, bias, y, M, N, K, p0, p1, num_groups);
     }
 }
+
+
+/* --- batch-invariant attention -----------------------------------------------------------------
+ *
+ * The batch-invariant mode's attention: each new query row on its own against exactly the keys it
+ * sees (row r of R new rows, at position num_keys - R + r, sees keys 0 ... that position), as
+ * cpu_attention.rowwise_attention does with a few torch operations per row, at the cost of their
+ * dispatch (28 layers x 9 rows of them were a third of a 9-row verify's extra time on AVX2).
+ *
+ * Batch invariance, by construction: a row's output is computed by the same operations whatever
+ * R, the thread or the order of the tasks. For each (row, head): score j = (the lanes of one
+ * accumulator collecting q[d] k_j[d] for d = 0, LANES, ... in order, summed by vsum's fixed tree)
+ * times `scaling`; e_j = exp(score j - max) by one polynomial (vexp) on whole vectors of keys
+ * (lane l of vector b holds key b LANES + l, keys past the visible ones are zeroed after it);
+ * their sum: the vectors added in order, then vsum; out[d] = (sum over j in order of e_j v_j[d])
+ * / that sum. Nothing depends on which other rows share the call.
+ */
+
+#if LANES == 16
+typedef __m512i ivec;
+#define VSET1(a) _mm512_set1_ps(a)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VSUB(a, b) _mm512_sub_ps(a, b)
+#define VMAX(a, b) _mm512_max_ps(a, b)
+#define VDIV(a, b) _mm512_div_ps(a, b)
+#define VFLOOR(a) _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+#define VEXPONENT(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+static inline float vmax_lanes(vec v) { return _mm512_reduce_max_ps(v); }
+#else
+#define VSET1(a) _mm256_set1_ps(a)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VSUB(a, b) _mm256_sub_ps(a, b)
+#define VMAX(a, b) _mm256_max_ps(a, b)
+#define VDIV(a, b) _mm256_div_ps(a, b)
+#define VFLOOR(a) _mm256_floor_ps(a)
+#define VEXPONENT(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+static inline float vmax_lanes(vec v) {
+    __m128 quarter = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    quarter = _mm_max_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#endif
+
+/* e^x for x <= 0 (softmax's shifted scores), Cephes' expf: x = n ln 2 + r, a degree-5 polynomial
+ * in r, times 2^n. Below -87 it gives e^-87 (~2e-38, a normal float), never a denormal. */
+INLINE vec vexp(vec x) {
+    x = VMAX(x, VSET1(-87.0f));
+    vec n = VFLOOR(VFMA(x, VSET1(1.44269504088896341f), VSET1(0.5f)));
+    vec r = VFMA(n, VSET1(-0.693359375f), x);
+    r = VFMA(n, VSET1(2.12194440e-4f), r);
+    vec p = VSET1(1.9875691500e-4f);
+    p = VFMA(p, r, VSET1(1.3981999507e-3f));
+    p = VFMA(p, r, VSET1(8.3334519073e-3f));
+    p = VFMA(p, r, VSET1(4.1665795894e-2f));
+    p = VFMA(p, r, VSET1(1.6666665459e-1f));
+    p = VFMA(p, r, VSET1(5.0000001201e-1f));
+    vec y = VFMA(p, VMUL(r, r), VADD(r, VSET1(1.0f)));
+    return VMUL(y, VEXPONENT(n));
+}
+
+#define ATTENTION_KEYS 8    /* keys whose scores are computed together (independent FMA chains) */
+#define ATTENTION_VECS 8    /* output vectors of a head accumulated together */
+#define ATTENTION_BLOCK 32  /* keys per pass of the value sums (their values stay in L1 across the heads) */
+
+/* scores[h padded + j] = scaling * q_h . k_j for the group's heads h and keys j < n: a block of
+ * ATTENTION_KEYS keys (one FMA chain each) at a time, every head of the group over the block while
+ * its keys are in L1. */
+INLINE void group_scores(const float *q, ptrdiff_t q_head, int group, const float *k, ptrdiff_t k_key, int head_dim, int n,
+                         float scaling, float *scores, ptrdiff_t padded) {
+    int j = 0;
+    for (; j + ATTENTION_KEYS <= n; j += ATTENTION_KEYS)
+        for (int h = 0; h < group; h++) {
+            vec acc[ATTENTION_KEYS];
+            for (int t = 0; t < ATTENTION_KEYS; t++) acc[t] = VZERO();
+            for (int d = 0; d < head_dim; d += LANES) {
+                vec qv = VLOAD(q + h * q_head + d);
+                for (int t = 0; t < ATTENTION_KEYS; t++) acc[t] = VFMA(qv, VLOAD(k + (j + t) * k_key + d), acc[t]);
+            }
+            for (int t = 0; t < ATTENTION_KEYS; t++) scores[h * padded + j + t] = vsum(acc[t]) * scaling;
+        }
+    for (; j < n; j++)
+        for (int h = 0; h < group; h++) {
+            vec acc = VZERO();
+            for (int d = 0; d < head_dim; d += LANES) acc = VFMA(VLOAD(q + h * q_head + d), VLOAD(k + j * k_key + d), acc);
+            scores[h * padded + j] = vsum(acc) * scaling;
+        }
+}
+
+/* scores[0, n) -> e_j = exp(score j - max), zero from n to the next multiple of LANES; their sum. */
+INLINE float head_softmax_numerators(float *scores, int n) {
+    int padded = (n + LANES - 1) / LANES * LANES;
+    for (int j = n; j < padded; j++) scores[j] = scores[n - 1]; /* a visible score: the max is unchanged */
+    vec maxv = VLOAD(scores);
+    for (int j = LANES; j < padded; j += LANES) maxv = VMAX(maxv, VLOAD(scores + j));
+    vec shift = VSET1(vmax_lanes(maxv)), total = VZERO();
+    for (int j = 0; j < padded; j += LANES) VSTORE(scores + j, vexp(VSUB(VLOAD(scores + j), shift)));
+    for (int j = n; j < padded; j++) scores[j] = 0.0f;
+    for (int j = 0; j < padded; j += LANES) total = VADD(total, VLOAD(scores + j));
+    return vsum(total);
+}
+
+/* sum[t LANES ...] (+)= e_j v_j[d0 + t LANES ...] over keys j in [j0, j1), for t < NV: NV
+ * accumulators in registers (NV a constant at every call site). */
+INLINE void value_sums(int nv, const float *e, const float *v, ptrdiff_t v_key, int j0, int j1, float *sum) {
+    vec acc[ATTENTION_VECS];
+    for (int t = 0; t < nv; t++) acc[t] = j0 == 0 ? VZERO() : VLOAD(sum + t * LANES);
+    for (int j = j0; j < j1; j++) {
+        vec ev = VBROADCAST(e + j);
+        for (int t = 0; t < nv; t++) acc[t] = VFMA(ev, VLOAD(v + j * v_key + t * LANES), acc[t]);
+    }
+    for (int t = 0; t < nv; t++) VSTORE(sum + t * LANES, acc[t]);
+}
+
+/* One (row, KV head) task: the `group` query heads that share the KV head. */
+static void attention_task(const float *q, const float *k, const float *v, float *out, int group, int head_dim,
+                           int n, const long long *strides, float scaling, float *scores, float *sums) {
+    ptrdiff_t q_head = strides[0], k_key = strides[3], v_key = strides[5], out_head = strides[7];
+    ptrdiff_t padded = (n + LANES - 1) / LANES * LANES;
+    float totals[64];
+    group_scores(q, q_head, group, k, k_key, head_dim, n, scaling, scores, padded);
+    for (int h = 0; h < group; h++) totals[h] = head_softmax_numerators(scores + h * padded, n);
+    for (int j0 = 0; j0 < n; j0 += ATTENTION_BLOCK) {
+        int j1 = j0 + ATTENTION_BLOCK < n ? j0 + ATTENTION_BLOCK : n;
+        for (int h = 0; h < group; h++) {
+            const float *e = scores + h * padded;
+            int d0 = 0;
+            for (; d0 + ATTENTION_VECS * LANES <= head_dim; d0 += ATTENTION_VECS * LANES)
+                value_sums(ATTENTION_VECS, e, v + d0, v_key, j0, j1, sums + h * head_dim + d0);
+            for (; d0 < head_dim; d0 += LANES) value_sums(1, e, v + d0, v_key, j0, j1, sums + h * head_dim + d0);
+        }
+    }
+    for (int h = 0; h < group; h++) {
+        vec total = VSET1(totals[h]);
+        for (int d = 0; d < head_dim; d += LANES) VSTORE(out + h * out_head + d, VDIV(VLOAD(sums + h * head_dim + d), total));
+    }
+}
+
+int spade_attention_lanes(void) { return LANES; }
+
+/* out[r, h] = softmax(scaling q[h, r] . k[h / group, j] over the keys j row r sees) . v, for every
+ * new row r < num_rows and query head h. strides (in floats): q per head, q per row, k per KV head,
+ * k per key, v per KV head, v per key, out per row, out per head; within a head the head_dim
+ * floats are contiguous (head_dim a multiple of LANES, group <= 64: the caller checks). Threads
+ * split the (row, KV head) tasks; 0 on success, -1 when scratch memory could not be had. */
+int spade_rowwise_attention(const float *q, const float *k, const float *v, float *out, int num_rows, int num_heads,
+                            int num_kv_heads, int head_dim, int num_keys, const long long *strides, float scaling,
+                            int num_threads) {
+    (void)num_threads; /* used by OpenMP only */
+    int group = num_heads / num_kv_heads, num_tasks = num_rows * num_kv_heads, failed = 0;
+    size_t padded = (size_t)(num_keys + LANES - 1) / LANES * LANES;
+    PARALLEL_FOR
+    for (int task = 0; task < num_tasks; task++) {
+        int row = task / num_kv_heads, kv = task % num_kv_heads;
+        float *scratch = (float *)_mm_malloc(((size_t)group * padded + (size_t)group * head_dim) * sizeof(float), 64);
+        if (!scratch) {
+            failed = 1; /* a benign race: every writer writes 1 */
+            continue;
+        }
+        attention_task(q + (ptrdiff_t)kv * group * strides[0] + (ptrdiff_t)row * strides[1], k + (ptrdiff_t)kv * strides[2],
+                       v + (ptrdiff_t)kv * strides[4], out + (ptrdiff_t)row * strides[6] + (ptrdiff_t)kv * group * strides[7],
+                       group, head_dim, num_keys - num_rows + row + 1, strides, scaling, scratch, scratch + group * padded);
+        _mm_free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Literal, TypeGuard
 import torch
 from torch import nn
 
-from verifier_service.backends.cpu_attention import GQA_ATTENTION, ROWWISE_ATTENTION, register_attention
+from verifier_service.backends.cpu_attention import GQA_ATTENTION, KERNEL_ATTRIBUTE, ROWWISE_ATTENTION, register_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -100,6 +100,51 @@ class KernelLibrary:
         )
         return output
 
+    @property
+    def attends(self) -> bool:
+        """Whether this build has the batch-invariant attention (a bench's older source may not)."""
+        return hasattr(self.library, "spade_rowwise_attention")
+
+    def can_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether ``rowwise_attention`` takes these: fp32 on CPU, one sequence, head_dim a
+        multiple of the vector width and contiguous within a head, at most 64 query heads per KV head."""
+        tensors = (query, key, value)
+        head_dim, num_heads, num_kv_heads = query.shape[-1], query.shape[1], key.shape[1]
+        return (
+            self.attends
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.shape[0] == 1 and t.stride(-1) == 1 for t in tensors)
+            and head_dim % int(self.library.spade_attention_lanes()) == 0
+            and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= 64
+        )
+
+    def rowwise_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query [1, heads, rows, head_dim] against key, value [1, kv_heads, keys, head_dim] whose
+        last ``rows`` keys are the rows' own: each row alone against the keys up to its position
+        (see the C file), as [1, rows, heads, head_dim]. ``can_attend`` must hold."""
+        _, num_heads, num_rows, head_dim = query.shape
+        num_kv_heads, num_keys = key.shape[1], key.shape[2]
+        output = torch.empty(1, num_rows, num_heads, head_dim, dtype=torch.float32)
+        pairs = [(tensor.stride(1), tensor.stride(2)) for tensor in (query, key, value, output)]
+        strides = (ctypes.c_longlong * 8)(*(stride for pair in pairs for stride in pair))
+        status = self.library.spade_rowwise_attention(
+            query.data_ptr(),
+            key.data_ptr(),
+            value.data_ptr(),
+            output.data_ptr(),
+            num_rows,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_keys,
+            strides,
+            ctypes.c_float(scaling),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch memory")
+        return output
+
 
 def cpu_isa() -> str | None:
     """The vector ISA the kernel can be built for here (``AVX512``, ``AVX2``), else None."""
@@ -127,6 +172,12 @@ def load_kernel_library(cache_dir: Path, isa: str | None = None, source: Path = 
         function.argtypes = [pointer, pointer, pointer, pointer, integer, integer, integer, integer]
         function.restype = None
     library.spade_panel_width.restype = integer
+    if hasattr(library, "spade_rowwise_attention"):
+        library.spade_rowwise_attention.argtypes = (
+            [pointer] * 4 + [integer] * 5 + [ctypes.POINTER(ctypes.c_longlong), ctypes.c_float, integer]
+        )
+        library.spade_rowwise_attention.restype = integer
+        library.spade_attention_lanes.restype = integer
     return KernelLibrary(library, isa, path)
 
 
@@ -224,6 +275,8 @@ class CpuKernelPatch:
     packed: list[nn.Linear] = field(repr=False, default_factory=list)
     """The patched layers whose weight is packed in place (panels of ``panel_width`` columns)."""
     panel_width: int = 0
+    attending: list[nn.Module] = field(repr=False, default_factory=list)
+    """The attention modules that carry the kernel for the batch-invariant attention."""
 
     def describe(self) -> str:
         packed = f" ({len(self.packed)} with packed weights)" if self.packed else ""
@@ -238,6 +291,9 @@ class CpuKernelPatch:
         for module in self.patched:
             del module.forward  # the instance attribute shadowed the class's forward
         self.patched.clear()
+        for attention_module in self.attending:
+            delattr(attention_module, KERNEL_ATTRIBUTE)
+        self.attending.clear()
         set_attention(self.model, self.previous_attention)
 
 
@@ -272,9 +328,19 @@ def apply_cpu_kernels(
         forward = packed_forward if id(module) in packed_ids else unpacked_forward
         # An instance attribute shadowing the class's forward (CpuKernelPatch.remove deletes it).
         module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+    attending = attention_modules(model) if batch_invariant and library is not None and library.attends else []
+    for attention_module in attending:
+        setattr(attention_module, KERNEL_ATTRIBUTE, library)
     set_attention(model, attention)
     mode = "batch_invariant" if batch_invariant else "fast"
-    return CpuKernelPatch(model, mode, linear_path, len(linears), attention, previous, linears, packed, panel_width)
+    shown = f"{attention} (kernel-{library.isa.lower()})" if attending and library is not None else attention
+    return CpuKernelPatch(model, mode, linear_path, len(linears), shown, previous, linears, packed, panel_width, attending)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules transformers hands to an attention implementation (Qwen2Attention,
+    LlamaAttention, ...): the ones with a query projection."""
+    return [module for module in model.modules() if isinstance(getattr(module, "q_proj", None), nn.Module)]
 
 
 def is_patchable(module: nn.Module) -> TypeGuard[nn.Linear]:
