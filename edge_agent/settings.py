@@ -120,7 +120,10 @@ class EdgeSettings(ServiceSettings):
     circuit_open_s: float = Field(
         5.0,
         gt=0,
-        description="After the verifier is found unreachable, fail (or fall back) at once for this long before trying it again.",
+        description=(
+            "After the verifier is found unreachable, fail (or fall back) at once for a while before trying it again: "
+            "0.5 s, doubling while it stays unreachable, up to this; an answer resets it."
+        ),
         json_schema_extra={"advanced": True},
     )
     startup_timeout_s: float = Field(

@@ -109,8 +109,12 @@ class ClientSettings:
     """Extra attempts after a lost call or a retryable status, with exponential backoff."""
     backoff_s: float = 0.2
     circuit_open_s: float = 5.0
-    """After the verifier is found unreachable, calls fail at once for this long instead of
-    each waiting for timeouts and retries; then the next call tries the verifier again."""
+    """After the verifier is found unreachable, calls fail at once for a while instead of each
+    waiting for timeouts and retries; then the next call tries the verifier again. The while
+    starts at ``circuit_first_open_s`` and doubles each time the verifier is found unreachable
+    again, up to this; an answer resets it (a one-second blip costs a second of fast failures,
+    not five; a verifier that stays down is tried every five seconds)."""
+    circuit_first_open_s: float = 0.5
     api_key: str | None = field(default=None, repr=False)
     """Sent as ``Authorization: Bearer <key>`` on every call to the verifier."""
 
@@ -141,6 +145,11 @@ class VerifierClient:
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, transport=transport, headers=headers)
         self._background: set[asyncio.Task] = set()
         self._unreachable_until = 0.0
+        self._open_s = self.first_open_s
+
+    @property
+    def first_open_s(self) -> float:
+        return min(self.settings.circuit_first_open_s, self.settings.circuit_open_s)
 
     @property
     def is_reachable(self) -> bool:
@@ -227,11 +236,13 @@ class VerifierClient:
                 failure, detail = "ConnectionLost", f"{type(error).__name__} in the HTTP stack: {error}"
             else:
                 if response.status_code not in RETRYABLE_STATUSES:
+                    self._open_s = self.first_open_s
                     return response, len(body)
                 failure = detail = f"HTTP {response.status_code}"
             if attempt < self.settings.retries:
                 await asyncio.sleep(self.settings.backoff_s * 2**attempt)
-        self._unreachable_until = time.monotonic() + self.settings.circuit_open_s
+        self._unreachable_until = time.monotonic() + self._open_s
+        self._open_s = min(2 * self._open_s, self.settings.circuit_open_s)
         # Clients see the kind of failure only: a transport error's text may carry the address.
         logger.warning("the verifier at %s is unavailable: %s", self.base_url, detail)
         raise ServiceUnavailableError(f"the verifier is unavailable ({failure})", code="verifier_unavailable")

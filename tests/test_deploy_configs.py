@@ -120,13 +120,13 @@ def test_prometheus_scrapes_every_service_compose_defines(compose):
     assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
 
 
-def test_prometheus_sends_the_edges_verifier_key_from_a_compose_secret(compose):
+def test_prometheus_sends_the_operators_metrics_key_from_a_compose_secret(compose):
     jobs = {job["job_name"]: job for job in load_prometheus()["scrape_configs"]}
     authorization = jobs["spade-verifier"]["authorization"]
     assert set(authorization) == {"type", "credentials_file"} and authorization["type"] == "Bearer"
     secret = authorization["credentials_file"].removeprefix("/run/secrets/")
     assert secret in compose["services"]["prometheus"]["secrets"]
-    assert compose["secrets"][secret] == {"environment": "SPADE_EDGE_VERIFIER_API_KEY"}
+    assert compose["secrets"][secret] == {"environment": "SPADE_VERIFIER_METRICS_API_KEY"}
     assert "credentials:" not in PROMETHEUS_CONF.read_text()
 
 

@@ -41,7 +41,13 @@ FRONT_SERVICES = {
     "edge-pool": {"edge-pool", "verifier-pool", "verifier-a", "verifier-b"},
 }
 """``docker compose up NAME`` starts NAME and what it depends on: one box's part."""
-KEY_VARIABLES = {"SPADE_VERIFIER_API_KEY", "SPADE_EDGE_VERIFIER_API_KEY", "SPADE_EDGE_API_KEY", "GRAFANA_ADMIN_PASSWORD"}
+KEY_VARIABLES = {
+    "SPADE_VERIFIER_API_KEY",
+    "SPADE_VERIFIER_METRICS_API_KEY",
+    "SPADE_EDGE_VERIFIER_API_KEY",
+    "SPADE_EDGE_API_KEY",
+    "GRAFANA_ADMIN_PASSWORD",
+}
 
 
 def interpolate(value) -> str:
@@ -287,7 +293,9 @@ def test_naming_a_front_service_starts_exactly_its_part(front, env_file):
 
 def test_keys_reach_the_services_from_the_env_file(tmp_path):
     env_file = tmp_path / "env"
-    env_file.write_text("SPADE_VERIFIER_API_KEY=new-key,old-key\nSPADE_EDGE_VERIFIER_API_KEY=new-key\n")
+    env_file.write_text(
+        "SPADE_VERIFIER_API_KEY=new-key,old-key\nSPADE_EDGE_VERIFIER_API_KEY=new-key\nSPADE_VERIFIER_METRICS_API_KEY=ops-key\n"
+    )
     services = json.loads(run_compose(["--profile", "pool", "config", "--format", "json"], env_file).stdout)["services"]
     replica_keys = {
         name: spec["environment"].get("SPADE_VERIFIER_API_KEY")
@@ -295,6 +303,10 @@ def test_keys_reach_the_services_from_the_env_file(tmp_path):
         if name.startswith("verifier-") and name != "verifier-pool"
     }
     assert replica_keys == {"verifier-a": "new-key,old-key", "verifier-b": "new-key,old-key"}
+    metrics_keys = {
+        spec["environment"].get("SPADE_VERIFIER_METRICS_API_KEY") for name in ("verifier-a", "verifier-b") for spec in [services[name]]
+    }
+    assert metrics_keys == {"ops-key"}  # the key Prometheus scrapes with, not a client's
     assert {spec["environment"]["SPADE_EDGE_VERIFIER_API_KEY"] for name, spec in services.items() if name.startswith("edge")} == {"new-key"}
 
 
