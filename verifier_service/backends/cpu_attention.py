@@ -12,8 +12,9 @@ keys it may see, with no mask. A block's row at position p then performs the ver
 on tensors of the very shapes, that a one-token forward at position p performs, so its output
 does not depend on how many rows share the forward. Where the model's attention modules carry the
 compiled kernel (``KERNEL_ATTRIBUTE``), it does the same in one C call per layer
-(``cpu_kernels.c``, "batch-invariant attention"); else a few torch operations per row. It needs what the verifier always has: one
-sequence (batch 1), no padding, no sliding window, and the new rows at the end of the keys.
+(``cpu_kernels.c``, "batch-invariant attention"); else a few torch operations per row. It needs
+what the verifier always has: one sequence (batch 1), no padding, no sliding window, and the new
+rows at the end of the keys.
 """
 
 from __future__ import annotations

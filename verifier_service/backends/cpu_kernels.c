@@ -370,7 +370,7 @@ void spade_packed_linear(const float *x, const float *wp, const float *bias, flo
  * The batch-invariant mode's attention: each new query row on its own against exactly the keys it
  * sees (row r of R new rows, at position num_keys - R + r, sees keys 0 ... that position), as
  * cpu_attention.rowwise_attention does with a few torch operations per row, at the cost of their
- * dispatch (28 layers x 9 rows of them were a third of a 9-row verify's extra time on AVX2).
+ * dispatch (28 layers x 9 rows of them were over a quarter of a 9-row verify's extra time on AVX2).
  *
  * Batch invariance, by construction: a row's output is computed by the same operations whatever
  * R, the thread or the order of the tasks. For each (row, head): score j = (the lanes of one
