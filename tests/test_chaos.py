@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from spade_bench.chaos import checks
+from spade_bench.chaos import checks, run
 from spade_bench.chaos.checks import FaultRecord, Sample
 from spade_bench.chaos.load import Client, RequestRecord, is_openai_error, request_body
 from spade_bench.chaos.monitor import connection_roles
@@ -288,3 +288,42 @@ def test_per_minute_latency_and_rate():
     assert [(m.minute, m.num_requests) for m in minutes] == [(0, 3), (1, 2)]
     assert minutes[0].tokens_per_s == pytest.approx(9 / 60)
     assert checks.percentile([1.0, 2.0, 3.0], 50) == 2.0 and checks.percentile([], 50) is None
+
+
+def run_checks(records, samples, references) -> list[checks.Check]:
+    """The checks the run makes of what it saw, in its order (``run.run_started``)."""
+    return [
+        checks.check_greedy_exact(records, references),
+        checks.check_no_server_errors(records),
+        checks.check_errors_shaped(records),
+        checks.check_not_hung(records, 60),
+        checks.check_failures_in_windows(records, [], recovery_bound_s=30),
+        checks.check_fault_expectations([]),
+        checks.check_flat(samples, warm_s=20, load_end_s=90),
+    ]
+
+
+PLANTED = {  # what is planted, and the checks it must break
+    "a wrong token": ([record(STREAM, text="abcdeX")], ["greedy text is target-only's"]),
+    # a 500 with no fault running is also a failure outside every fault's window
+    "an HTTP 500": ([record(STREAM, "failed", status=500)], ["no HTTP 500", "failures only inside fault windows"]),
+    "a hang": ([record(STREAM, "hung")], ["no hung request"]),
+    "a leak": ([], ["memory and descriptors flat after warm-up"]),
+}
+
+
+@pytest.mark.parametrize("planted", PLANTED)
+def test_the_run_exits_non_zero_naming_what_was_planted(planted, tmp_path):
+    """One planted fault in an otherwise clean run: the exit status CI reads is 1 and the last
+    lines name the checks it broke (and no other)."""
+    references = {STREAM.reference_key(): "abcdef"}
+    clean = [record(STREAM, text="abcdef")]
+    flat = series("edge-00", 10, [300] * 8, [40] * 8)
+    leaking = series("edge-00", 10, [300, 310, 320, 330, 340, 350, 360, 370], [40] * 8)
+    assert run.verdict(run_checks(clean, flat, references), tmp_path / "report.md")[0] == 0
+    extra, broken = PLANTED[planted]
+    results = run_checks(clean + extra, leaking if planted == "a leak" else flat, references)
+    status, lines = run.verdict(results, tmp_path / "report.md")
+    assert status == 1
+    assert lines[0].startswith(f"chaos: FAILED: {', '.join(broken)} (report: ")
+    assert [line.split(":")[1].strip() for line in lines[1:]] == broken

@@ -234,12 +234,20 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
     )
     plot(output / "plots", records, fault_records, monitor.samples, minutes)
     print(report, flush=True)
+    status, lines = verdict(results, output / "chaos_report.md")
+    for line in lines:
+        print(line, flush=True)
+    return status
+
+
+def verdict(results: list[checks.Check], report: Path) -> tuple[int, list[str]]:
+    """The run's exit status (1 when any check failed) and its last lines, the ones CI shows:
+    what failed, not only that it did."""
     failed = [check for check in results if not check.passed]
-    verdict = "FAILED: " + ", ".join(check.name for check in failed) if failed else "every check passed"
-    print(f"chaos: {verdict} (report: {output / 'chaos_report.md'})", flush=True)
-    for check in failed:  # the last lines CI shows: what failed, not only that it did
-        print(f"chaos: {check.name}: {check.summary}; " + "; ".join(check.violations), flush=True)
-    return 1 if failed else 0
+    summary = "FAILED: " + ", ".join(check.name for check in failed) if failed else "every check passed"
+    lines = [f"chaos: {summary} (report: {report})"]
+    lines += [f"chaos: {check.name}: {check.summary}; " + "; ".join(check.violations) for check in failed]
+    return (1 if failed else 0), lines
 
 
 async def _load(config, stack, model, long_words, hung_deadline_s, clock, monitor, schedule, recovery_bound_s, start_bound_s):
