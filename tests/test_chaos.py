@@ -17,7 +17,17 @@ from spade_bench.chaos import checks, run
 from spade_bench.chaos.checks import FaultRecord, Sample
 from spade_bench.chaos.load import Client, RequestRecord, is_openai_error, request_body
 from spade_bench.chaos.monitor import connection_roles
-from spade_bench.chaos.plan import FAULT_KINDS, LINK_FAULTS, ChaosConfig, RequestMix, RequestPlan, fault_schedule, prompt_text
+from spade_bench.chaos.plan import (
+    FAULT_KINDS,
+    LINK_FAULTS,
+    ChaosConfig,
+    FaultPlan,
+    RequestMix,
+    RequestPlan,
+    fault_schedule,
+    load_running,
+    prompt_text,
+)
 
 CONFIG = ChaosConfig(duration_s=600, num_edges=6, num_linked_edges=2, fault_interval_s=30, seed=3)
 
@@ -33,6 +43,19 @@ def test_the_schedule_is_seeded_cycles_through_every_kind_first_and_ends_quiet()
     assert [plan.kind for plan in scheduled[: len(FAULT_KINDS)]] == list(FAULT_KINDS)
     assert all(CONFIG.warmup_s <= plan.start_s <= CONFIG.duration_s - CONFIG.fault_interval_s * 0.3 for plan in schedule)
     assert [plan.start_s for plan in schedule] == sorted(plan.start_s for plan in schedule)
+
+
+def test_a_run_too_short_for_every_kind_still_plans_each_once_and_the_load_waits_for_them():
+    short = ChaosConfig(duration_s=180, num_edges=16, num_linked_edges=4, fault_interval_s=15)  # CI's 3-minute mode
+    schedule = fault_schedule(short)
+    assert [plan.kind for plan in schedule] == list(FAULT_KINDS)  # each once, no random ones between
+    assert all(plan.scheduled for plan in schedule)
+    assert schedule[-1].start_s > short.duration_s - short.fault_interval_s  # past the window a long run keeps quiet
+    assert load_running(170.0, short, faults_finished_at_s=None)
+    assert load_running(250.0, short, faults_finished_at_s=None)  # past the duration while a fault remains
+    assert load_running(250.0, short, faults_finished_at_s=240.0)  # the quiet interval after the last one
+    assert not load_running(255.0, short, faults_finished_at_s=240.0)
+    assert load_running(170.0, short, faults_finished_at_s=100.0) and not load_running(180.0, short, faults_finished_at_s=100.0)
 
 
 def test_each_fault_is_aimed_at_something_that_exists():
@@ -190,9 +213,17 @@ def test_a_failure_passes_only_inside_a_window_on_an_edge_the_fault_reached():
 def test_hung_requests_and_unrecovered_faults_fail():
     assert not checks.check_not_hung([record(STREAM, "hung")], 60).passed
     assert checks.check_not_hung([record(STREAM)], 60).passed
-    assert not checks.check_fault_expectations([FaultRecord("replica_kill", 1, 2, None, recovered_s=None)]).passed
-    assert not checks.check_fault_expectations([FaultRecord("wire_mismatch_edge", 1, 2, (), "exited 0", 0.0, False)]).passed
-    assert checks.check_fault_expectations([FaultRecord("replica_kill", 1, 2, None, recovered_s=0.4)]).passed
+    kill, mismatch = FaultPlan("replica_kill", 1, 8.0), FaultPlan("wire_mismatch_edge", 1, 0.0)
+    assert not checks.check_fault_expectations([FaultRecord("replica_kill", 1, 2, None, recovered_s=None)], [kill]).passed
+    assert not checks.check_fault_expectations([FaultRecord("wire_mismatch_edge", 1, 2, (), "exited 0", 0.0, False)], [mismatch]).passed
+    assert checks.check_fault_expectations([FaultRecord("replica_kill", 1, 2, None, recovered_s=0.4)], [kill]).passed
+
+
+def test_a_planned_fault_that_never_ran_fails_the_run():
+    ran = FaultRecord("replica_kill", 30, 45, None, recovered_s=0.4)
+    result = checks.check_fault_expectations([ran], [FaultPlan("replica_kill", 30, 8.0), FaultPlan("nginx_restart", 45, 1.0)])
+    assert not result.passed
+    assert result.violations == ("nginx_restart planned at 45 s: never ran",)
 
 
 def series(process: str, pid: int, rss_mib: list[float], fds: list[int], start=20.0, step=10.0) -> list[Sample]:
@@ -298,7 +329,7 @@ def run_checks(records, samples, references) -> list[checks.Check]:
         checks.check_errors_shaped(records),
         checks.check_not_hung(records, 60),
         checks.check_failures_in_windows(records, [], recovery_bound_s=30),
-        checks.check_fault_expectations([]),
+        checks.check_fault_expectations([], []),
         checks.check_flat(samples, warm_s=20, load_end_s=90),
     ]
 
@@ -327,3 +358,33 @@ def test_the_run_exits_non_zero_naming_what_was_planted(planted, tmp_path):
     assert status == 1
     assert lines[0].startswith(f"chaos: FAILED: {', '.join(broken)} (report: ")
     assert [line.split(":")[1].strip() for line in lines[1:]] == broken
+
+
+def test_faults_delayed_by_the_ones_before_them_still_run_in_order_and_the_runner_says_when_it_is_done():
+    import concurrent.futures
+    import time
+
+    from spade_bench.chaos.faults import FaultRunner, LoadHooks
+
+    origin = time.monotonic()
+    bursts: list[int] = []
+
+    def burst(edge: int) -> concurrent.futures.Future:  # each burst outlasts the interval between the plans
+        time.sleep(0.15)
+        bursts.append(edge)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(None)
+        return future
+
+    plans = [FaultPlan("rate_burst", 0.05 * i, 0.0, target=i) for i in range(4)]
+    hooks = LoadHooks(burst, lambda: None, lambda edge: True)
+    runner = FaultRunner(None, plans, lambda: time.monotonic() - origin, hooks, recovery_bound_s=5, start_bound_s=5)
+    assert runner.finished_at_s is None
+    runner.start()
+    deadline = time.monotonic() + 10
+    while runner.finished_at_s is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert bursts == [0, 1, 2, 3]
+    assert [record.kind for record in runner.records] == ["rate_burst"] * 4
+    assert runner.finished_at_s is not None and runner.finished_at_s >= 0.6
+    assert all(record.recovered_s is not None for record in runner.records)

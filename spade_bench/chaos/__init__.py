@@ -10,7 +10,7 @@ error), no HTTP 500, no hung request, every failure inside a fault's window, mem
 descriptors flat after warm-up and back to idle after the load.
 
     spade-bench chaos --minutes 30 --output chaos_results        # 16 edges, the default
-    spade-bench chaos --minutes 3 --output chaos_results         # CI's slow suite
+    spade-bench chaos --minutes 3 --output chaos_results         # CI: every kind once, the load on until they are over
 
 Modules: ``plan`` (the configuration, the fault schedule and the request mix: pure), ``stack``
 (the processes), ``faults`` (carrying faults out), ``load`` (the clients), ``monitor`` (samples),

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from spade_bench.chaos.load import RequestRecord
+from spade_bench.chaos.plan import FaultPlan
 
 MAX_LISTED = 8
 
@@ -125,11 +126,14 @@ def check_failures_in_windows(records: Iterable[RequestRecord], faults: list[Fau
     return Check("failures only inside fault windows", not outside, summary, _listed(violations))
 
 
-def check_fault_expectations(faults: list[FaultRecord]) -> Check:
+def check_fault_expectations(faults: list[FaultRecord], planned: list[FaultPlan]) -> Check:
+    """Every planned fault ran, met its own expectation, and an affected edge answered after it."""
+    not_run = [f"{plan.kind} planned at {plan.start_s:.0f} s: never ran" for plan in planned[len(faults) :]]
     unmet = [f"{f.kind} at {f.started_s:.1f} s: {f.detail}" for f in faults if not f.expectation_met]
     unrecovered = [f"{f.kind} at {f.started_s:.1f} s: no answer after it" for f in faults if f.recovered_s is None and f.edges != ()]
-    violations = unmet + unrecovered
-    return Check("every fault recovered as expected", not violations, f"{len(faults)} faults, {len(violations)} not", _listed(violations))
+    violations = not_run + unmet + unrecovered
+    summary = f"{len(faults)} of {len(planned)} faults ran, {len(violations)} not as expected"
+    return Check("every fault ran and recovered as expected", not violations, summary, _listed(violations))
 
 
 def incarnations(samples: Iterable[Sample]) -> dict[tuple[str, int], list[Sample]]:

@@ -47,17 +47,17 @@ class FaultRunner:
         clock: Callable[[], float],
         hooks: LoadHooks,
         recovery_bound_s: float,
-        latest_start_s: float,
         start_bound_s: float,
     ) -> None:
-        """``latest_start_s``: a fault delayed past this (by the ones before it) is skipped, so
-        every fault is over, and recovered from, before the load ends. ``start_bound_s``: how long
-        a process a fault (re)starts may take to answer its health check: under the load the CPUs
-        are shared with every other process, as they were when all the edges started at once."""
+        """Runs ``plans`` in order, each at its start or, when the ones before it ran long, as soon
+        as they are over: none is skipped (the load runs on until every one is over, ``load_running``).
+        ``start_bound_s``: how long a process a fault (re)starts may take to answer its health
+        check: under the load the CPUs are shared with every other process, as they were when all
+        the edges started at once."""
         self.stack = stack
         self.plans = plans
-        self.latest_start_s = latest_start_s
-        self.skipped: list[FaultPlan] = []
+        self.finished_at_s: float | None = None
+        """When the last fault was over and probed (None while faults remain)."""
         self.clock = clock
         self.hooks = hooks
         self.recovery_bound_s = recovery_bound_s
@@ -76,14 +76,16 @@ class FaultRunner:
         self._thread.join(timeout=600)
 
     def _run(self) -> None:
+        try:
+            self._run_plans()
+        finally:
+            self.finished_at_s = self.clock()
+
+    def _run_plans(self) -> None:
         for plan in self.plans:
             if self._stop.wait(max(0.0, plan.start_s - self.clock())):
                 return
             started = self.clock()
-            if started > self.latest_start_s:
-                self.skipped.append(plan)
-                logger.warning("chaos: %s skipped: the faults before it ran until %.1f s", plan.kind, started)
-                continue
             logger.warning("chaos: %s (target %d) at %.1f s", plan.kind, plan.target, started)
             try:
                 record = self.execute(plan, started)

@@ -117,23 +117,38 @@ the process's exit)."""
 def fault_schedule(config: ChaosConfig) -> list[FaultPlan]:
     """Faults every ``fault_interval_s`` after warm-up, cycling through every kind first and then
     in a seeded order, each aimed at a seeded target; and between two scheduled faults, with
-    probability 1/2, a random one. None starts in the last interval (the run ends quiet)."""
+    probability 1/2, a random one. None starts in the last interval (the run ends quiet).
+
+    The first cycle is always whole: a run too short to hold every kind (CI's 3-minute mode) plans
+    the rest past its end, without random ones between, and the load runs on until they are over
+    (``load_running``)."""
     rng = random.Random(config.seed)
     plans: list[FaultPlan] = []
     start = config.warmup_s
     order: list[FaultKind] = list(FAULT_KINDS)
-    index = 0
-    while start + config.fault_interval_s <= config.duration_s:
+    index = num_scheduled = 0
+    cycle_fits = config.warmup_s + len(FAULT_KINDS) * config.fault_interval_s <= config.duration_s
+    while start + config.fault_interval_s <= config.duration_s or num_scheduled < len(FAULT_KINDS):
         if index == len(order):
             order, index = rng.sample(FAULT_KINDS, len(FAULT_KINDS)), 0
         plans.append(_planned(order[index], start, config, rng, scheduled=True))
         index += 1
-        if rng.random() < 0.5:
+        num_scheduled += 1
+        if cycle_fits and rng.random() < 0.5:
             offset = rng.uniform(0.3, 0.7) * config.fault_interval_s
             kind = rng.choice([kind for kind in FAULT_KINDS if kind not in ("verifier_kill", "wire_mismatch_edge", "unwritable_cache")])
             plans.append(_planned(kind, start + offset, config, rng, scheduled=False))
         start += config.fault_interval_s
     return plans
+
+
+def load_running(now_s: float, config: ChaosConfig, faults_finished_at_s: float | None) -> bool:
+    """Whether the load goes on at ``now_s`` (seconds from its start): for its duration, and past it
+    until every planned fault is over and a quiet interval has followed the last one, so that a
+    fault the ones before it delayed still runs, and is recovered from, under the load."""
+    if faults_finished_at_s is None:
+        return True
+    return now_s < max(config.duration_s, faults_finished_at_s + config.fault_interval_s)
 
 
 def _planned(kind: FaultKind, start_s: float, config: ChaosConfig, rng: random.Random, scheduled: bool) -> FaultPlan:

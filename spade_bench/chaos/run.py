@@ -21,7 +21,7 @@ from spade_bench.chaos import checks
 from spade_bench.chaos.faults import FaultRunner, LoadHooks
 from spade_bench.chaos.load import Client, RequestRecord, request_body, route
 from spade_bench.chaos.monitor import Monitor
-from spade_bench.chaos.plan import ChaosConfig, Endpoint, RequestMix, RequestPlan, fault_schedule, prompt_text
+from spade_bench.chaos.plan import ChaosConfig, Endpoint, RequestMix, RequestPlan, fault_schedule, load_running, prompt_text
 from spade_bench.chaos.report import markdown, plot, write_results
 from spade_bench.chaos.stack import Models, Stack
 from spade_bench.nginx_pool import find_nginx
@@ -116,10 +116,10 @@ class Load:
         self.records: list[RequestRecord] = []
         self._extra_mix = RequestMix(config, seed=10_000 + config.seed)
 
-    async def worker(self, edge: int) -> None:
+    async def worker(self, edge: int, faults: FaultRunner) -> None:
         mix = RequestMix(self.config, seed=self.config.seed * 1000 + edge + 1)
         rng = random.Random(mix.seed)
-        while self.client.clock() < self.config.duration_s:
+        while load_running(self.client.clock(), self.config, faults.finished_at_s):
             plan = mix.next(edge)
             self.records.append(await self.client.send(plan, self.stack.edges[edge].url))
             await asyncio.sleep(rng.uniform(*THINK_S))
@@ -212,7 +212,7 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
         checks.check_errors_shaped(records),
         checks.check_not_hung(records, hung_deadline_s),
         checks.check_failures_in_windows(records, fault_records, recovery_bound_s),
-        checks.check_fault_expectations(fault_records),
+        checks.check_fault_expectations(fault_records, schedule),
         checks.check_flat(monitor.samples, config.warmup_s, load_end_s, server_bound=harness_keepalive(config)),
         checks.check_back_to_idle(idle_before, idle_after, server_bound=harness_keepalive(config)),
     ]
@@ -221,7 +221,8 @@ def run_started(config: ChaosConfig, stack: Stack, output: Path, long_words: int
     header = [
         f"Machine: {platform.node()}, {_cpu_model()}; {config.num_edges} edges ({config.num_linked_edges} through the fault and "
         f"delay proxies), two verifier replicas behind the shipped nginx pool config, the tiny pair, seed {config.seed}.",
-        f"Load {config.duration_s:.0f} s, warm-up {config.warmup_s:.0f} s, idle after {config.idle_s:.0f} s. Recovery bound "
+        f"Load {load_end_s:.0f} s ({config.duration_s:.0f} s planned, on until every fault was over), "
+        f"warm-up {config.warmup_s:.0f} s, idle after {config.idle_s:.0f} s. Recovery bound "
         f"{recovery_bound_s:.0f} s after a fault is over (a verifier's start to healthy, {load_time_s:.1f} s, plus 30 s); "
         f"hung deadline {hung_deadline_s:.0f} s.",
         "Sampled requests are checked through the verifiers' verdicts: a seeded sample of them recomputed offline "
@@ -258,14 +259,13 @@ async def _load(config, stack, model, long_words, hung_deadline_s, clock, monito
         client = Client(http, model, long_words, hung_deadline_s, clock)
         load = Load(config, stack, client, asyncio.get_running_loop())
         hooks = LoadHooks(load.burst, load.long_prompts, lambda edge: probe(stack, model, edge))
-        latest_start_s = config.duration_s - config.fault_interval_s
-        faults = FaultRunner(stack, schedule, clock, hooks, recovery_bound_s, latest_start_s, start_bound_s)
+        faults = FaultRunner(stack, schedule, clock, hooks, recovery_bound_s, start_bound_s)
         monitor.start()
         faults.start()
-        await asyncio.gather(*(load.worker(edge) for edge in range(config.num_edges)))
-        await asyncio.to_thread(faults.stop)
-        for plan in faults.skipped:
-            print(f"chaos: {plan.kind} planned at {plan.start_s:.0f} s was skipped: the faults before it ran too long", flush=True)
+        try:
+            await asyncio.gather(*(load.worker(edge, faults) for edge in range(config.num_edges)))
+        finally:
+            await asyncio.to_thread(faults.stop)
         return load.records, faults.records
 
 
