@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return chaos_main(argv[1:])
     if argv[:1] == ["capacity"]:  # `spade-bench capacity ...`: users per verifier (spade_bench.capacity)
-        from spade_bench.capacity import main as capacity_main
+        from spade_bench.capacity.replay import main as capacity_main
 
         return capacity_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -20,7 +20,7 @@ weights, the output layer scaled so that greedy choices are clear of near-ties (
                target's token with probability --acceptance (else another token); then N
                emulated edges (``emulated_edge``, advice, and advice with continuation) and N target-only users
                against one verifier, and the prefill-interference scenario
-               (``capacity_levels``, ``prefill_interference``).
+               (``capacity.levels``, ``capacity.prefill_interference``).
 
 Everything is written under --output (markdown + JSON). On the GPU machine:
 
@@ -165,7 +165,7 @@ def ragged_costs(config: CheckConfig, model_dir: Path, repeats: int = 5) -> dict
     fast, one attention call per session, and packed, one for all)."""
     import torch
 
-    from spade_bench.rows_bench import PACKED, RowsBench, median_ms, run
+    from spade_bench.micro.rows_bench import PACKED, RowsBench, median_ms, run
     from spade_models.loader import ModelSource, load_model
 
     model = load_model(ModelSource(str(model_dir)), config.device, config.dtype).model
@@ -284,8 +284,7 @@ def synthetic_proposals(target: list[int], acceptance: float, vocab: int, rng: r
 async def synthetic_sessions(config: CheckConfig, verifier_url: str, tokenizer) -> list:
     import httpx
 
-    from spade_bench.capacity_record import RecordedSession
-    from spade_bench.draft_trace import DraftTrace
+    from spade_bench.capacity.sessions import DraftTrace, RecordedSession
 
     rng = random.Random(0)
     prompts = synthetic_prompts(config, tokenizer, rng)
@@ -315,10 +314,10 @@ def verifier_spec(config: CheckConfig, model_dir: Path, extra: tuple[str, ...] =
 
 
 def run_check(config: CheckConfig) -> dict:
-    from spade_bench.capacity_levels import LevelSetup, measure_levels, run_level
-    from spade_bench.capacity_report import ADVICE, CONTINUE, TARGET, markdown_table
-    from spade_bench.emulated_edge import EdgePolicy
-    from spade_bench.prefill_interference import InterferenceSetup, interference_table, measure_interference
+    from spade_bench.capacity.emulated_edge import EdgePolicy
+    from spade_bench.capacity.levels import LevelSetup, measure_levels, run_level
+    from spade_bench.capacity.prefill_interference import InterferenceSetup, interference_table, measure_interference
+    from spade_bench.capacity.report import ADVICE, CONTINUE, TARGET, markdown_table
     from spade_bench.services import Service, start_service
     from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
 

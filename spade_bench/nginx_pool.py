@@ -2,7 +2,7 @@
 loopback: rendered with its listen port and replica addresses moved to 127.0.0.1, inside the
 process-level settings the nginx image supplies (pid, logs, temp paths).
 
-Used by ``spade_bench.pool_bench`` and the deployment tests (tests/deploy_support.py, which
+Used by ``spade_bench.pool.bench`` and the deployment tests (tests/deploy_support.py, which
 skips where nginx is missing)."""
 
 from __future__ import annotations

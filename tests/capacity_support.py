@@ -8,8 +8,9 @@ from collections.abc import Iterator
 
 from edge_support import edge_app
 from servers import serve
-from spade_bench.capacity import record_sessions
-from spade_bench.capacity_record import RecordedSession, VerifyRecorder, recording_app
+from spade_bench.capacity.record import VerifyRecorder, recording_app
+from spade_bench.capacity.replay import record_sessions
+from spade_bench.capacity.sessions import RecordedSession
 from spade_bench.client import Generation
 from spade_bench.data import BenchItem
 from verifier_support import verifier_app

@@ -11,7 +11,7 @@ import torch
 
 from edge_agent.drafter import DraftLimits, ModelDrafter
 from edge_agent.settings import EdgeSettings
-from spade_bench.backend_bench import BenchConfig, RandomTokens, draft_block, run_rounds
+from spade_bench.micro.backend_bench import BenchConfig, RandomTokens, draft_block, run_rounds
 from spade_core.params import SamplingConfig
 from verifier_service.backends.base import BlockToVerify, BlockVerdict
 from verifier_service.backends.transformers.backend import TransformersBackend

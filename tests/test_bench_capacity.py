@@ -15,8 +15,8 @@ from itertools import count
 import pytest
 
 from capacity_support import MAX_TOKENS
-from spade_bench.capacity_levels import run_level
-from spade_bench.capacity_report import (
+from spade_bench.capacity.levels import run_level
+from spade_bench.capacity.report import (
     REPLAY,
     SPADE,
     TARGET,

@@ -15,9 +15,20 @@ from fastapi.responses import PlainTextResponse
 
 from capacity_support import MAX_TOKENS
 from servers import serve
-from spade_bench.capacity_levels import QUIET_PAUSE_S, LevelSetup, measure_levels, run_level
-from spade_bench.capacity_record import RecordedCall, RecordedSession
-from spade_bench.capacity_report import (
+from spade_bench.capacity.draft_trace import edge_drafter, recorded_output, recorded_prompt, trace_sessions
+from spade_bench.capacity.emulated_edge import (
+    NOTHING_AHEAD,
+    DraftedAhead,
+    EdgePolicy,
+    EmulatedEdge,
+    ahead_limit,
+    drafted_ahead,
+    drafted_block,
+    leading_matches,
+)
+from spade_bench.capacity.levels import QUIET_PAUSE_S, LevelSetup, measure_levels, run_level
+from spade_bench.capacity.prefill_interference import InterferenceSetup, measure_interference
+from spade_bench.capacity.report import (
     ADVICE,
     CONTINUE,
     MODEL_FORWARDS,
@@ -31,18 +42,7 @@ from spade_bench.capacity_report import (
     level_row,
     markdown_table,
 )
-from spade_bench.draft_trace import DraftTrace, edge_drafter, recorded_output, recorded_prompt, trace_sessions
-from spade_bench.emulated_edge import (
-    NOTHING_AHEAD,
-    DraftedAhead,
-    EdgePolicy,
-    EmulatedEdge,
-    ahead_limit,
-    drafted_ahead,
-    drafted_block,
-    leading_matches,
-)
-from spade_bench.prefill_interference import InterferenceSetup, measure_interference
+from spade_bench.capacity.sessions import DraftTrace, RecordedCall, RecordedSession
 from verifier_service.backends.transformers.advice import BusyFraction, Saturation
 
 

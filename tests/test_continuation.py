@@ -20,8 +20,8 @@ from edge_agent.engine import continued_allowance
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import UntrustedAnswerError, checked_verdict
 from scripted_support import PROMPT, ScriptedDrafter, ScriptedVerifier, generate, scripted_engine, target_continuation
-from spade_bench.draft_trace import DraftTrace
-from spade_bench.emulated_edge import verdict_error
+from spade_bench.capacity.emulated_edge import verdict_error
+from spade_bench.capacity.sessions import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, VerifyTimings, context_digest, verdict_digest
 from verifier_support import (
     MAX_CONTEXT,

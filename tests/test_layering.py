@@ -70,6 +70,42 @@ def test_the_package_graph_has_no_cycle():
         visit(package, ())
 
 
+def module_imports(package: str) -> dict[str, set[str]]:
+    """Each module of ``package`` (dotted) -> the modules of ``package`` it imports, lazy ones included."""
+    modules = {}
+    for path in (ROOT / package).rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)  # from package import module
+            elif isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+        modules[name] = found
+    return {name: {other for other in found if other in modules and other != name} for name, found in modules.items()}
+
+
+def test_the_benchmarks_modules_import_one_another_without_a_cycle():
+    graph = module_imports("spade_bench")
+    assert "spade_bench.capacity.sessions" in graph and "spade_bench.micro.forward_bench" in graph
+    visiting, done = set(), set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in visiting, f"import cycle: {' -> '.join(path + (module,))}"
+        if module in done:
+            return
+        visiting.add(module)
+        for dependency in sorted(graph[module]):
+            if not module.startswith(dependency + "."):  # a module importing its own package's __init__
+                visit(dependency, path + (module,))
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, ())
+
+
 def loaded_after_importing(modules: list[str], watched: tuple[str, ...]) -> list[str]:
     code = (
         f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"

@@ -1,4 +1,4 @@
-"""``spade_bench.pool_bench`` end to end on the tiny pair: two verifier replicas behind the
+"""``spade_bench.pool.bench`` end to end on the tiny pair: two verifier replicas behind the
 shipped nginx config, one edge, both scenarios under both routings. Routed by prefix, a chat's
 second turn and the later users of a system prompt reach the replica that cached their prefix;
 routed by session they reach it only by chance, so never more often."""
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from deploy_support import nginx_binary
-from spade_bench.pool_bench import main
+from spade_bench.pool.bench import main
 
 SCENARIOS = ["multi-turn: turn 1", "multi-turn: turn 2", "system prompt: user 1", "system prompt: users 2+"]
 

@@ -1,4 +1,4 @@
-"""``spade_bench.prefix_bench`` on the tiny target: the scenarios run cache on and off side by
+"""``spade_bench.micro.prefix_bench`` on the tiny target: the scenarios run cache on and off side by
 side; with the cache, a second turn and every user after the first (one after another or all at
 once) prefill only what the cache did not cover, and without it everything."""
 
@@ -8,7 +8,7 @@ import asyncio
 import json
 from argparse import Namespace
 
-from spade_bench.prefix_bench import run, summary
+from spade_bench.micro.prefix_bench import run, summary
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends.transformers.backend import TransformersBackend
 

@@ -1,6 +1,6 @@
-"""``spade_bench.rows_bench`` and ``spade_bench.forward_bench``: the forward cost per row count
+"""``spade_bench.micro.rows_bench`` and ``spade_bench.micro.forward_bench``: the forward cost per row count
 (the tiny target here; the real one in docs/runs/run-r.md), per kernel ISA, beside the core's
-physics (``spade_bench.cpu_physics``)."""
+physics (``spade_bench.micro.cpu_physics``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from spade_bench import forward_bench
-from spade_bench.cpu_physics import CorePhysics, cpuinfo_fields, measure_core, parse_isas
-from spade_bench.forward_bench import LinearSizes, efficiency_cells, expand_variants, parse_counts, split_variant, variant_name
-from spade_bench.rows_bench import main, split_rows
+from spade_bench.micro import forward_bench
+from spade_bench.micro.cpu_physics import CorePhysics, cpuinfo_fields, measure_core, parse_isas
+from spade_bench.micro.forward_bench import LinearSizes, efficiency_cells, expand_variants, parse_counts, split_variant, variant_name
+from spade_bench.micro.rows_bench import main, split_rows
 from verifier_service.backends.cpu_kernels import runnable_isas
 
 

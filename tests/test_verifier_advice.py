@@ -120,7 +120,7 @@ def test_the_forward_cost_is_the_curve_measured_per_row_count():
 
 
 def test_the_curve_follows_a_cpus_knee_where_a_line_cannot():
-    # The AVX-512 box's forwards (spade_bench.rows_bench, 2026-12-04): ~6 ms a row up to 8
+    # The AVX-512 box's forwards (spade_bench.micro.rows_bench, 2026-12-04): ~6 ms a row up to 8
     # rows, ~27 ms past them. Merging two forwards of 4 rows saves nearly a whole forward;
     # merging two of 12 saves little; a drafted row below the knee is nearly free.
     measured = {1: 0.231, 2: 0.247, 3: 0.253, 4: 0.238, 6: 0.266, 8: 0.274, 12: 0.391, 16: 0.484}

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from spade_bench import vllm_session_probe as probe
+from spade_bench.micro import vllm_session_probe as probe
 
 pytestmark = pytest.mark.vllm
 

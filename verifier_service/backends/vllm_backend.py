@@ -41,7 +41,7 @@ prompt (cached rows included) and turns it into Python lists, so full_logprobs c
 prompt_len x vocab per call: slower than sample_match already on a tiny vocabulary, by orders of
 magnitude on a 32k one, out of reach at Qwen2.5's 151,936; its higher acceptance does not pay for
 that. sample_match's price is d + 1 requests, each recomputing its last partial block, several
-times the target tokens of one greedy scoring call. The figures (spade_bench/backend_bench.py):
+times the target tokens of one greedy scoring call. The figures (spade_bench/micro/backend_bench.py):
 docs/design.md, "The vLLM backend", and docs/benchmarks.md, "Component measurements".
 
 Context length: vLLM refuses a prompt that leaves no room for a generated token, and a scoring

@@ -21,7 +21,7 @@ It prints, per mode and N: wall seconds, output tokens/s, the ratio to ``plain``
 text is identical to ``plain``'s, and vLLM's own speculation counters (proposals, proposed and
 accepted tokens). Run it in the vLLM environment (``.ci/vllm_env.sh``):
 
-    .venv-vllm/bin/python -m spade_bench.vllm_session_probe --model DIR --users 1,4 --max-tokens 64
+    .venv-vllm/bin/python -m spade_bench.micro.vllm_session_probe --model DIR --users 1,4 --max-tokens 64
 
 ``--model`` defaults to a tiny target built on the spot (head size 32, as vLLM's CPU attention
 needs); timings on it measure the engine's overheads, not a model.
@@ -253,7 +253,7 @@ def _cell(value: int | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m spade_bench.vllm_session_probe", description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m spade_bench.micro.vllm_session_probe", description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--model", default=None, help="target directory (default: a tiny target built in a temp dir)")
     parser.add_argument("--users", default="1,4", help="concurrent requests N, a comma list")
     parser.add_argument("--max-tokens", type=int, default=64)

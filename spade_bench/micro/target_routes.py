@@ -6,7 +6,7 @@ route's tokens/s per generation (median and range over the runs), its forwards' 
 whether the two routes' greedy tokens are equal, prompt by prompt (where they part, the first
 differing position).
 
-    .venv-vllm/bin/python -m spade_bench.target_routes --model qwen2.5-coder-0.5b-instruct \
+    .venv-vllm/bin/python -m spade_bench.micro.target_routes --model qwen2.5-coder-0.5b-instruct \
         --max-tokens 64 --rounds 2 --max-context-length 2048
 """
 
@@ -110,7 +110,7 @@ async def measure(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m spade_bench.target_routes", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m spade_bench.micro.target_routes", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="target model (HF id, directory or spade-models name)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per generation (default 64)")
     parser.add_argument("--rounds", type=int, default=2, help="generations of each prompt by each route (default 2)")

@@ -20,7 +20,7 @@ all; the two run interleaved, request by request, so load on a shared core hits 
 Reported per request: prompt tokens, tokens prefilled by the verifier (its ``num_target_tokens``
 on the first step), tokens the cache covered, and time to the first token.
 
-    python -m spade_bench.prefix_bench --model qwen2.5-coder-0.5b-instruct \\
+    python -m spade_bench.micro.prefix_bench --model qwen2.5-coder-0.5b-instruct \\
         --data ../shared/data/spec_bench/question_dev.jsonl --items 3 --num-users 4
 """
 

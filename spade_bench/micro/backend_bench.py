@@ -9,8 +9,8 @@ would.
 
 Run it in the vLLM environment (``.ci/vllm_env.sh``) so both backends are importable:
 
-    .venv-vllm/bin/python -m spade_bench.backend_bench                       # tiny pair, built here
-    .venv-vllm/bin/python -m spade_bench.backend_bench --model qwen2.5-coder-1.5b-instruct
+    .venv-vllm/bin/python -m spade_bench.micro.backend_bench                       # tiny pair, built here
+    .venv-vllm/bin/python -m spade_bench.micro.backend_bench --model qwen2.5-coder-1.5b-instruct
         --draft none --context-length 256 --rounds 2 --routes sample_match   # (one line)
 
 Prints a Markdown table: per backend (and vLLM exact route), temperature and concurrency, the

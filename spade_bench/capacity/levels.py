@@ -9,7 +9,7 @@
     target         N users streaming the same prompts from the verifier's /v1/chat/completions
 
 Each user runs session k mod len(sessions). The verifier's /metrics are read before and after:
-the level's row (``capacity_report.level_row``) takes their difference. Every user's calls carry
+the level's row (``report.level_row``) takes their difference. Every user's calls carry
 a ``cache_salt`` of their own: the verifier's prefix cache must not serve a prompt that an earlier
 level or mode prefilled (the same recorded prompts come back at every level), or the mode run
 second would skip prefills the first paid for. Nor may a level inherit the load of the one
@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 
 import httpx
 
-from spade_bench.capacity_record import RecordedSession
-from spade_bench.capacity_report import (
+from spade_bench.capacity.emulated_edge import EdgePolicy, EmulatedEdge, EmulatedRun
+from spade_bench.capacity.report import (
     ADVICE,
     AHEAD_DROPPED,
     AHEAD_USED,
@@ -48,7 +48,7 @@ from spade_bench.capacity_report import (
     histogram_quantile,
     level_row,
 )
-from spade_bench.emulated_edge import EdgePolicy, EmulatedEdge, EmulatedRun
+from spade_bench.capacity.sessions import RecordedSession
 from spade_bench.services import Service, parse_prometheus
 from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
 

@@ -10,7 +10,7 @@ verdict is decided at that mismatch (the filler is rejected; only its rows cost 
     d = 4 at i = 0  ->  [5, 9, 4, 7]: 2 accepted, next 2 (the 7 is filler, rejected unread)
 
 Before each call the edge waits d x the draft's recorded time per token + the link's RTT (one
-RTT per call, as ``capacity_levels.replay_user``). The first call carries the prompt alone (the
+RTT per call, as ``levels.replay_user``). The first call carries the prompt alone (the
 real edge's --prefill-first); the draft's own prefill runs meanwhile, so the second call waits
 only for what of it outlasted the first call. Every verdict is checked against y (greedy: 0
 mismatches); a verdict may accept only a prefix of the block when the verifier cut it to its
@@ -49,7 +49,7 @@ import httpx
 from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy, draft_length_policy
 from edge_agent.engine import continued_allowance
 from edge_agent.generation import ahead_length
-from spade_bench.draft_trace import DraftTrace
+from spade_bench.capacity.sessions import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, WireSampling, context_digest
 
 ADVICE_FIELD = "advised_draft_length"

@@ -17,7 +17,7 @@ replica's ``spade_verifier_prompt_tokens_total`` and ``spade_verifier_prefix_hit
 before and after; the hit rate is hit tokens / prompt tokens. The split of requests over the
 replicas comes from nginx's access log.
 
-    python -m spade_bench.pool_bench --data ../shared/data/spec_bench/question_dev.jsonl \\
+    python -m spade_bench.pool --data ../shared/data/spec_bench/question_dev.jsonl \\
         --conversations 6 --system-prompts 2 --users 4 --output pool.json
 
 Without ``--draft``/``--target`` it builds the tiny random pair (spade_models.tiny): a hit rate
@@ -39,7 +39,7 @@ import httpx
 
 from spade_bench.data import BenchItem, load_items
 from spade_bench.nginx_pool import find_nginx
-from spade_bench.pool_stack import Pool, PoolSpec, running_pool
+from spade_bench.pool.stack import Pool, PoolSpec, running_pool
 
 PROMPT_TOKENS = "spade_verifier_prompt_tokens_total"
 HIT_TOKENS = "spade_verifier_prefix_hit_tokens_total"
@@ -213,7 +213,7 @@ def write_json(path: str, args: argparse.Namespace, results: list[PhaseResult]) 
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m spade_bench.pool", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--data", required=True, help="Spec-Bench question file (two-turn rows: conversations; the others: notes, questions)."
     )

@@ -2,7 +2,7 @@
 same users.
 
     record        one real spade-edge (draft model, pinned to the edge's core) generates each
-                  prompt through a recording proxy in front of the verifier (``capacity_record``);
+                  prompt through a recording proxy in front of the verifier (``record``);
                   then one teacher-forced pass of the edge's own drafter along each output keeps
                   the draft's proposals and its time per token (``draft_trace``)
     spade         N emulated edges at once (``emulated_edge``): each drafts any length from its
@@ -45,22 +45,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from edge_agent.draft_length import parse_draft_length
-from spade_bench.capacity_levels import QUIET_PAUSE_S, LevelSetup, measure_levels
-from spade_bench.capacity_record import (
-    RecordedSession,
-    ThreadServer,
-    VerifyRecorder,
-    read_sessions,
-    recording_app,
-    write_sessions,
-)
-from spade_bench.capacity_report import ADVICE, CONTINUE, EMULATED_MODES, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
+from spade_bench.capacity.draft_trace import run_pinned_trace
+from spade_bench.capacity.emulated_edge import EdgePolicy
+from spade_bench.capacity.levels import QUIET_PAUSE_S, LevelSetup, measure_levels
+from spade_bench.capacity.prefill_interference import InterferenceResult, InterferenceSetup, interference_table, measure_interference
+from spade_bench.capacity.record import ThreadServer, VerifyRecorder, recording_app
+from spade_bench.capacity.report import ADVICE, CONTINUE, EMULATED_MODES, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
+from spade_bench.capacity.sessions import RecordedSession, read_sessions, write_sessions
 from spade_bench.client import Generation, make_client, served_model, stream_chat
 from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
-from spade_bench.draft_trace import run_pinned_trace
-from spade_bench.emulated_edge import EdgePolicy
-from spade_bench.prefill_interference import InterferenceResult, InterferenceSetup, interference_table, measure_interference
 from spade_bench.services import ServiceSpec, console_command, edge_command, start_service, verifier_command
 
 MODES = (TARGET, SPADE, ADVICE, CONTINUE, REPLAY)

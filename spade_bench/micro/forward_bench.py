@@ -3,11 +3,11 @@ fed on top of a cached context), stock transformers vs the verifier's CPU kernel
 without packed weights, batch-invariant), for each kernel ISA asked for (``--isa AVX512,AVX2``:
 an AVX-512 CPU also runs the AVX2 build), side by side in one process on one loaded model.
 
-    python -m spade_bench.forward_bench                                  # tiny target, built here
-    taskset -c 1 python -m spade_bench.forward_bench --model qwen2.5-coder-1.5b-instruct \
+    python -m spade_bench.micro.forward_bench                                  # tiny target, built here
+    taskset -c 1 python -m spade_bench.micro.forward_bench --model qwen2.5-coder-1.5b-instruct \
         --isa AVX512,AVX2 --context-lengths 1000 --repeats 3 --output bench_results/forward
 
-Beside the times it prints the physics (``spade_bench.cpu_physics``): the CPU's model and clock,
+Beside the times it prints the physics (``spade_bench.micro.cpu_physics``): the CPU's model and clock,
 one core's stream bandwidth and in-register FMA rate per ISA, and what each forward achieved (its
 linear layers' weight bytes and FLOPs over its time), for the curve t(R), R = 1 to 16 rows, and
 a ``--prefill-rows`` prefill (512 by default, keeping one row's logits as a prefill does).
@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from spade_bench.cpu_physics import CorePhysics, measure_core, parse_isas
+from spade_bench.micro.cpu_physics import CorePhysics, measure_core, parse_isas
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir

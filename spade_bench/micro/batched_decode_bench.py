@@ -2,8 +2,8 @@
 question of issue 24 item 2, asked of the edge's own drafting step: K requests each drafting one
 token after its own cached context.
 
-    taskset -c 0 python -m spade_bench.batched_decode_bench                        # SmolLM2-135M
-    taskset -c 0 python -m spade_bench.batched_decode_bench --model qwen2.5-coder-0.5b-instruct \
+    taskset -c 0 python -m spade_bench.micro.batched_decode_bench                        # SmolLM2-135M
+    taskset -c 0 python -m spade_bench.micro.batched_decode_bench --model qwen2.5-coder-0.5b-instruct \
         --sequences 2,3 --context-length 300 --steps 16 --repeats 7
 
 One context as the drafter builds it (unified KV cache, one thread, K sequences), each sequence

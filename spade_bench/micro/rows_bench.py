@@ -4,8 +4,8 @@ own cached context, in the fast and batch-invariant modes side by side. This is 
 scheduler's advice fits, and where its knee lies says how many rows a forward takes for about
 the price of one.
 
-    python -m spade_bench.rows_bench                                     # tiny target, built here
-    taskset -c 1 python -m spade_bench.rows_bench --model qwen2.5-coder-1.5b-instruct \
+    python -m spade_bench.micro.rows_bench                                     # tiny target, built here
+    taskset -c 1 python -m spade_bench.micro.rows_bench --model qwen2.5-coder-1.5b-instruct \
         --isa AVX512,AVX2 --rows 1,2,4,8,16,32,64,128 --sessions 1,4,8 --repeats 3 --output bench_results/rows
 
 Every measurement feeds R random rows, split as evenly as they go over S sessions (each after its
@@ -13,7 +13,7 @@ own cached context of --context-length tokens), scores each session's last row, 
 caches back. Modes, row counts and session counts are interleaved within each repetition; the
 table prints medians of CPU time. On CPU each mode runs once per kernel ISA asked for (``--isa``:
 an AVX-512 CPU also runs the AVX2 build), labelled ``fast (AVX2)``, and the report opens with
-the core's physics per ISA (``spade_bench.cpu_physics``). Runs on CPU, or CUDA with --device cuda (the modes are then
+the core's physics per ISA (``spade_bench.micro.cpu_physics``). Runs on CPU, or CUDA with --device cuda (the modes are then
 the stock model under the ragged forward, one attention call per segment or ``packed``: the
 kernels are CPU-only).
 """
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from spade_bench.cpu_physics import measure_core, parse_isas
-from spade_bench.forward_bench import physics_lines, split_variant, tiny_source, variant_name
+from spade_bench.micro.cpu_physics import measure_core, parse_isas
+from spade_bench.micro.forward_bench import physics_lines, split_variant, tiny_source, variant_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
 from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library

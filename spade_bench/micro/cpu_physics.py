@@ -4,7 +4,7 @@ is bound by) and its in-register FMA rate for an ISA (what a many-row prefill is
 the CPU's model and clock. The benches (``forward_bench``, ``rows_bench``) print these per ISA
 beside the GB/s and GFLOP/s each of their forwards achieved.
 
-    python -m spade_bench.cpu_physics --isa AVX512,AVX2
+    python -m spade_bench.micro.cpu_physics --isa AVX512,AVX2
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
-from spade_bench.capacity_record import RecordedSession
-from spade_bench.capacity_report import percentile
-from spade_bench.emulated_edge import CallRecord, EdgePolicy, EmulatedEdge, EmulatedRun
+from spade_bench.capacity.emulated_edge import CallRecord, EdgePolicy, EmulatedEdge, EmulatedRun
+from spade_bench.capacity.report import percentile
+from spade_bench.capacity.sessions import RecordedSession
 from verifier_service.protocol import VerifyRequest, WireSampling, context_digest
 
 POLL_S = 0.01

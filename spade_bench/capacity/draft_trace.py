@@ -1,5 +1,5 @@
 """The draft's one-step greedy proposals along the target's output: what lets an emulated edge
-draft any length (``spade_bench.emulated_edge``).
+draft any length (``spade_bench.capacity.emulated_edge``).
 
 At temperature 0 a verdict depends only on which drafted tokens equal the target's. After a
 recorded session the target's output y is known (greedy SPADE output equals the target's), and a
@@ -18,7 +18,7 @@ path and model file as the real edge: ``edge_agent.draft_backend``), whose KV pr
 one new token per call: one forward per position. Its seconds per call are the draft's time
 per token; the first call's (the prompt's prefill) is kept apart.
 
-    python -m spade_bench.draft_trace --sessions recording.jsonl --output traced.jsonl \\
+    python -m spade_bench.capacity.draft_trace --sessions recording.jsonl --output traced.jsonl \\
         -- --draft-model qwen2.5-coder-0.5b-instruct --verifier-url http://127.0.0.1:8001 --threads 1
 """
 
@@ -34,39 +34,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edge_agent.drafter import DraftSession
+from spade_bench.capacity.sessions import DraftTrace, read_sessions, write_sessions
 from spade_core.params import SamplingConfig
 
 GREEDY = SamplingConfig(temperature=0.0)
-
-
-@dataclass(frozen=True)
-class DraftTrace:
-    """One prompt's target output and the draft's proposals along it."""
-
-    prompt_token_ids: list[int]
-    target_token_ids: list[int]
-    """The committed tokens of the recorded generation (the target's own greedy output)."""
-    proposals: list[int]
-    """proposals[i]: the draft's greedy token after prompt + target_token_ids[:i]."""
-    draft_s_per_token: float
-    """Median seconds of one drafted token (one draft forward over one new token)."""
-    draft_prefill_s: float
-    """Seconds of the first proposal: the draft's prefill of the prompt, plus its first token."""
-
-    def __post_init__(self) -> None:
-        if len(self.proposals) != len(self.target_token_ids):
-            raise ValueError(f"{len(self.proposals)} proposals for {len(self.target_token_ids)} target tokens")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DraftTrace:
-        return cls(**data)
 
 
 def recorded_prompt(calls: Sequence) -> list[int]:
@@ -157,7 +131,7 @@ def run_pinned_trace(sessions_path: Path, output_path: Path, edge_flags: Sequenc
     argv = [
         sys.executable,
         "-m",
-        "spade_bench.draft_trace",
+        "spade_bench.capacity.draft_trace",
         "--sessions",
         str(sessions_path),
         "--output",
@@ -176,9 +150,8 @@ def run_pinned_trace(sessions_path: Path, output_path: Path, edge_flags: Sequenc
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spade_bench.capacity_record import read_sessions, write_sessions
 
-    parser = argparse.ArgumentParser(prog="python -m spade_bench.draft_trace", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m spade_bench.capacity.draft_trace", description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=Path, required=True, help="recording.jsonl (from spade_bench.capacity)")
     parser.add_argument("--output", type=Path, required=True, help="the sessions again, each with its trace")
     parser.add_argument("edge_flags", nargs=argparse.REMAINDER, help="-- then the spade-edge flags of the recording edge")

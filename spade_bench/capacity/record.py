@@ -8,7 +8,7 @@ calls (one session) become a ``RecordedSession``:
     think_s  of call 0: request sent to the edge -> call 0 arrives (edge prefill + first draft)
              of call i: answer i-1 left -> call i arrives (the edge's exposed drafting time)
 
-Replaying a session later (``capacity.replay_user``) waits each think_s plus the link's RTT,
+Replaying a session later (``levels.replay_user``) waits each think_s plus the link's RTT,
 then POSTs the recorded request: the verifier does all its real work, only the edge is replayed.
 """
 
@@ -17,71 +17,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from spade_bench.draft_trace import DraftTrace
+from spade_bench.capacity.sessions import RecordedCall, RecordedSession
 
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "accept-encoding"}
-
-
-@dataclass(frozen=True)
-class RecordedCall:
-    request: dict
-    """The VerifyRequest body as the edge sent it."""
-    think_s: float
-    status: int
-    num_accepted: int | None = None
-    next_token: int | None = None
-    verify_s: float = 0.0
-    """Answer left - call arrived, at recording time."""
-    continued_tokens: list[int] = field(default_factory=list)
-    """The tokens the verifier continued with after next_token (wire continuation; a recording's
-    lone edge rarely gets any: the verifier continues only while saturated)."""
-
-    @property
-    def num_emitted(self) -> int:
-        """Tokens the call committed (accepted + next + continued); 0 for a refused call."""
-        return 0 if self.num_accepted is None else self.num_accepted + 1 + len(self.continued_tokens)
-
-
-@dataclass(frozen=True)
-class RecordedSession:
-    item_id: str
-    messages: list[dict]
-    max_tokens: int
-    completion_tokens: int
-    text: str
-    calls: list[RecordedCall] = field(default_factory=list)
-    trace: DraftTrace | None = None
-    """The draft's proposals along the target's output (``draft_trace``): an emulated edge can
-    then draft any length. None: only the recorded calls can be replayed."""
-
-    def with_trace(self, trace: DraftTrace) -> RecordedSession:
-        return replace(self, trace=trace)
-
-    @property
-    def num_emitted(self) -> int:
-        """Tokens the verifier emitted over the session (accepted + next + continued per call)."""
-        return sum(call.num_emitted for call in self.calls)
-
-    @property
-    def is_clean(self) -> bool:
-        """Every call answered 200 (no resync): a replay can follow it call for call."""
-        return bool(self.calls) and all(call.status == 200 for call in self.calls)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> RecordedSession:
-        calls = [RecordedCall(**call) for call in data.pop("calls")]
-        trace = data.pop("trace", None)
-        return cls(**data, calls=calls, trace=DraftTrace.from_dict(trace) if trace else None)
 
 
 @dataclass(frozen=True)
@@ -170,12 +114,3 @@ class ThreadServer:
     def __exit__(self, *exc_info) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
-
-
-def write_sessions(sessions: list[RecordedSession], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(session.to_dict()) + "\n" for session in sessions))
-
-
-def read_sessions(path: Path) -> list[RecordedSession]:
-    return [RecordedSession.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
