@@ -406,19 +406,31 @@ def chain_plan(model, rng: random.Random, vocab_size: int) -> ChainPlan:
     return ChainPlan(context, greedy_continuation(model, context, 6 * 5), steps)
 
 
-async def run_chain(http: httpx.AsyncClient, session_id: str, plan: ChainPlan) -> list[tuple[int, int]]:
-    committed, position, verdicts = list(plan.context), 0, []
+@dataclass(frozen=True)
+class ChainStep:
+    committed: list[int]
+    block: list[int]
+    verdict: tuple[int, int]
+
+
+async def run_chain(http: httpx.AsyncClient, session_id: str, plan: ChainPlan) -> list[ChainStep]:
+    """The plan's calls, each block cut to the last answer's advice as an edge cuts it (a block
+    longer than the advice would be cut by the verifier, and the advice follows the verifier's
+    measured load): what each call held, sent and got."""
+    committed, position, advice, steps = list(plan.context), 0, None, []
     for step, (length, corrupt_at, replacement) in enumerate(plan.steps):
+        length = length if advice is None else min(length, advice)
         block = plan.greedy[position : position + length]
         if corrupt_at < length and replacement != block[corrupt_at]:
             block[corrupt_at] = replacement
         held, new_tokens = (committed, []) if step else ([], committed)
         response = await http.post("/v1/verify", json=verify_body(session_id, held, block, new_tokens=new_tokens))
         answer = response.json()
-        verdicts.append(verdict(answer))
+        steps.append(ChainStep(list(committed), block, verdict(answer)))
         committed = committed_after(committed, block, answer)
         position += answer["num_accepted"] + 1
-    return verdicts
+        advice = answer["advised_draft_length"]
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +445,15 @@ async def test_concurrent_sessions_answer_as_sequential_ones(server_url, model, 
     async with httpx.AsyncClient(base_url=server_url, timeout=60) as http:
         sequential = [await run_chain(http, f"sequential-{i}", plan) for i, plan in enumerate(plans)]
         concurrent = await asyncio.gather(*(run_chain(http, f"concurrent-{i}", plan) for i, plan in enumerate(plans)))
-    assert concurrent == sequential
+    for plan, alone, shared in zip(plans, sequential, concurrent, strict=True):
+        for steps in (alone, shared):  # every committed token is the target's own
+            last = steps[-1]
+            committed = last.committed + last.block[: last.verdict[0]] + [last.verdict[1]]
+            assert committed == (plan.context + plan.greedy)[: len(committed)]
+        for one, other in zip(alone, shared, strict=True):  # the same call gets the same verdict, alone or sharing forwards
+            if (one.committed, one.block) != (other.committed, other.block):
+                break  # the advice cut the two runs' blocks differently from here on
+            assert one.verdict == other.verdict
 
 
 async def test_racing_calls_of_one_session_commit_once(server_url, vocab_size):

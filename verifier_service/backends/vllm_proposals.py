@@ -219,7 +219,8 @@ class SessionProposer:
         request_ids = runner.input_batch.req_ids
         proposals: list[list[int]] = []
         for row in range(len(sampled_token_ids)):
-            proposal = self.board.read(session_key(request_ids[row])) if row < len(request_ids) else None
+            request_id = request_ids[row] if row < len(request_ids) else None  # None: an empty row of the batch
+            proposal = self.board.read(session_key(request_id)) if request_id else None
             tokens = (
                 []
                 if proposal is None
