@@ -156,7 +156,14 @@ async def run_mode(
     from verifier_service.backends.vllm_proposals import BOARD_ENV, ProposalBoard
     from vllm import SamplingParams
 
-    engine_args: dict[str, Any] = {"model": model, "dtype": "float32", "max_model_len": args.max_model_len, "enforce_eager": True}
+    engine_args: dict[str, Any] = {
+        "model": model,
+        "dtype": "float32",
+        "max_model_len": args.max_model_len,
+        "enforce_eager": True,
+        # A KV cache of a set size: else vLLM's CPU backend wants 92 % of the machine's memory free.
+        "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30),
+    }
     board = ProposalBoard.create(num_slots=max(len(prompts), 1), max_tokens=max_tokens + 64) if mode != "plain" else None
     if board is not None:
         os.environ[BOARD_ENV] = board.name
@@ -268,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--post-interval-ms", type=float, default=5.0)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="each engine's KV cache (it must hold --max-model-len tokens)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="also write the table and the raw results (JSON) here")
     return parser

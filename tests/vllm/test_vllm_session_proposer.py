@@ -57,7 +57,14 @@ async def test_two_sessions_with_the_same_prompt_never_take_each_others_proposal
     os.environ[BOARD_ENV] = board.name
     speculative = {"method": "custom_class", "model": probe.PROPOSER_CLASS, "num_speculative_tokens": 4}
     engine = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(model=target, dtype="float32", max_model_len=512, enforce_eager=True, speculative_config=speculative)
+        AsyncEngineArgs(
+            model=target,
+            dtype="float32",
+            max_model_len=512,
+            enforce_eager=True,
+            speculative_config=speculative,
+            kv_cache_memory_bytes=2**29,  # a set size: vLLM's own sizing wants 92 % of the machine's memory free
+        )
     )
     try:
         before = probe.spec_counters()
