@@ -69,14 +69,19 @@ def vocab_size_of(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def edge_draft(truth: list[int], position: int, length: int, acceptance: float, seed: int) -> list[int]:
-    """What a stand-in edge drafts from ``position``: the target's text, each token wrong with
-    probability 1 - ``acceptance`` (fixed per position by the seed, as a real draft's guess is
-    fixed by its context); it stops after its first wrong token (what follows it is drafted on a
-    context the target will not have)."""
+def kept_positions(num_tokens: int, acceptance: float, seed: int) -> list[bool]:
+    """Per position, whether a stand-in edge's draft there is the target's token: probability
+    ``acceptance``, fixed per position by the seed (as a real draft's guess is fixed by its context)."""
+    return [random.Random(seed * 1_000_003 + index).random() < acceptance for index in range(num_tokens)]
+
+
+def edge_draft(truth: list[int], kept: list[bool], position: int, length: int) -> list[int]:
+    """What a stand-in edge drafts from ``position``: the target's text where ``kept``, another
+    token where not; it stops after its first wrong token (what follows it is drafted on a context
+    the target will not have)."""
     drafted: list[int] = []
     for index in range(position, min(position + length, len(truth))):
-        if random.Random(seed * 1_000_003 + index).random() < acceptance:
+        if kept[index]:
             drafted.append(truth[index])
         else:
             drafted.append(truth[index] ^ 1)  # another id, in range for an even vocabulary
@@ -92,7 +97,11 @@ def post_proposals(board_name: str, truths: dict[str, list[int]], progress, opti
     from verifier_service.backends.vllm_proposals import ProposalBoard
 
     board = ProposalBoard.attach(board_name)
+    kept = {
+        key: kept_positions(len(truth), options["acceptance"], options["seed"] + index) for index, (key, truth) in enumerate(truths.items())
+    }
     learned = {key: (-1, 0.0) for key in truths}
+    posted: dict[str, tuple[int, int]] = {}
     ready_event.set()
     try:
         while not stop_event.is_set():
@@ -102,9 +111,10 @@ def post_proposals(board_name: str, truths: dict[str, list[int]], progress, opti
                 if position != learned[key][0]:
                     learned[key] = (position, now)
                 length = min(board.max_tokens, int((now - learned[key][1]) * options["draft_tokens_per_s"]))
-                drafted = edge_draft(truth, position, length, options["acceptance"], options["seed"] + index)
-                if drafted:
+                drafted = edge_draft(truth, kept[key], position, length)
+                if drafted and posted.get(key) != (position, len(drafted)):  # nothing new: the board keeps the last
                     board.post(key, position, drafted)
+                    posted[key] = (position, len(drafted))
             time.sleep(options["post_interval_ms"] / 1000)
     finally:
         board.close()
