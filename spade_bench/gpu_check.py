@@ -39,7 +39,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 QWEN_SHAPE = {
@@ -62,6 +62,23 @@ TINY_SHAPE = {
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
 }
+HOST_BOUND_SHAPE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 4096,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+}
+"""Qwen2.5-1.5B's depth at a width with next to no arithmetic: on a CPU its forward is the
+framework's per-layer dispatch (~15-20 ms, nearly flat from 1 to 64 rows), the regime of a GPU
+whose host launches the kernels (Runs K and M: 15-30 ms, flat to 128 rows). It lets a machine
+without a GPU see what the schedule does where a forward costs a fraction of the round trip and
+rows are nearly free; it says nothing of a GPU's own costs."""
+SHAPES = {"qwen2.5-1.5b": QWEN_SHAPE, "tiny": TINY_SHAPE, "host-bound": HOST_BOUND_SHAPE}
+PARTS = ("forward", "ragged", "capacity", "prefill")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 LOGIT_SCALE = 20.0
 """The output layer's weights times this: peaked distributions, greedy choices far from ties."""
@@ -91,10 +108,20 @@ class CheckConfig:
     step_ahead_tokens: int = 8
     """A second verifier with ``--step-ahead-tokens`` this many (its ``spade+continue`` rows
     ``@ahead``, beside the shipped one's per N); 0: none."""
+    ahead_lead_tokens: int = 0
+    """The stepping verifier's edges draft this many more than their draft-length policy and the
+    advice choose (``EdgePolicy.lead_tokens``)."""
+    shape_name: str = "qwen2.5-1.5b"
+    """A key of ``SHAPES``; ``--tiny`` makes it ``tiny``."""
+    parts: tuple[str, ...] = PARTS
+    """Which of ``PARTS`` run."""
+    verifier_cores: tuple[int, ...] = ()
+    """The verifiers' cores (one torch thread each), the check itself moving to the others; empty:
+    every core for both (a GPU machine's 16 cores)."""
 
     @property
     def shape(self) -> dict:
-        return TINY_SHAPE if self.tiny else QWEN_SHAPE
+        return SHAPES[self.shape_name]
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -309,8 +336,26 @@ def verifier_spec(config: CheckConfig, model_dir: Path, extra: tuple[str, ...] =
         "--max-batch-sessions", str(config.batch_sessions), "--max-draft-length", "64",
         "--max-context-length", str(config.prompt_tokens + config.prefill_tokens + config.max_tokens + 64),
     ) + extra  # fmt: skip
+    if config.verifier_cores:
+        return ServiceSpec(
+            "verifier-gpu-check" + suffix, command, config.verifier_cores, len(config.verifier_cores), config.output_dir / "logs"
+        )
     cores = tuple(sorted(os.sched_getaffinity(0)))
     return ServiceSpec("verifier-gpu-check" + suffix, command, cores, min(4, len(cores)), config.output_dir / "logs")
+
+
+def pin_check_beside_verifiers(config: CheckConfig) -> tuple[int, ...]:
+    """Move this process (the emulated edges) off the verifiers' cores; the cores it keeps."""
+    if not config.verifier_cores:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    others = sorted(set(os.sched_getaffinity(0)) - set(config.verifier_cores))
+    if not others:
+        raise SystemExit(f"--verifier-cores {','.join(map(str, config.verifier_cores))} leaves no core for the emulated edges")
+    os.sched_setaffinity(0, others)
+    import torch
+
+    torch.set_num_threads(len(others))  # no more threads than cores: OpenMP's waiting threads would spin on the one core
+    return tuple(others)
 
 
 def run_check(config: CheckConfig) -> dict:
@@ -324,21 +369,29 @@ def run_check(config: CheckConfig) -> dict:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     step = _stepper(time.perf_counter())
     results = CheckResults(config, {"config": {k: str(v) for k, v in vars(config).items()}})
+    check_cores = pin_check_beside_verifiers(config)
+    results.add({"host": host_description(config, check_cores)}, host_section(config, check_cores))
     model_dir = build_model(config, config.output_dir / "model" if config.tiny else Path("/tmp/spade-gpu-check-model"))
     step("model built and saved")
-    costs = {dtype: forward_costs(config, model_dir, dtype) for dtype in dict.fromkeys((config.dtype, *config.forward_dtypes))}
-    results.add(
-        {"forward_ms": costs[config.dtype], "forward_ms_by_dtype": costs},
-        f"Forward of r rows over a cached context of {config.context_length} tokens (medians):\n\n" + forward_table(costs),
-    )
-    step("forward costs measured")
-    ragged = ragged_costs(config, model_dir)
-    results.add(
-        {"ragged_ms": [dict(zip(("mode", "rows", "sessions", "ms"), (*key, ms), strict=True)) for key, ms in sorted(ragged.items())]},
-        f"The verifier's ragged forward ({config.dtype}): R rows over S sessions, each after {config.context_length} cached "
-        "tokens, attention one call per session (fast) or one for all (packed, the default off a CPU), medians:\n\n" + ragged_table(ragged),
-    )
-    step("ragged forward costs measured")
+    if "forward" in config.parts:
+        costs = {dtype: forward_costs(config, model_dir, dtype) for dtype in dict.fromkeys((config.dtype, *config.forward_dtypes))}
+        results.add(
+            {"forward_ms": costs[config.dtype], "forward_ms_by_dtype": costs},
+            f"Forward of r rows over a cached context of {config.context_length} tokens (medians):\n\n" + forward_table(costs),
+        )
+        step("forward costs measured")
+    if "ragged" in config.parts:
+        ragged = ragged_costs(config, model_dir)
+        results.add(
+            {"ragged_ms": [dict(zip(("mode", "rows", "sessions", "ms"), (*key, ms), strict=True)) for key, ms in sorted(ragged.items())]},
+            f"The verifier's ragged forward ({config.dtype}): R rows over S sessions, each after {config.context_length} cached "
+            "tokens, attention one call per session (fast) or one for all (packed, the default off a CPU), medians:\n\n"
+            + ragged_table(ragged),
+        )
+        step("ragged forward costs measured")
+    if not {"capacity", "prefill"} & set(config.parts):
+        print(results.markdown())
+        return results.report
     with contextlib.ExitStack() as services:
         verifier = services.enter_context(start_service(verifier_spec(config, model_dir), 900))
         variants: tuple[tuple[str, Service], ...] = ()
@@ -351,22 +404,33 @@ def run_check(config: CheckConfig) -> dict:
         # Levels a busy window apart: the next starts unsaturated (a shorter pause than the CPU
         # benchmark's, for the GPU's short lease).
         setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pause_s=BUSY_WINDOW_S)
-        asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
-        # Edges ignoring the advice (Run K's "spade" rows) are left out for continuation's: the GPU's time is short.
-        rows = measure_levels(
-            verifier, sessions, config.users, (TARGET, ADVICE, CONTINUE), setup, variants=variants, variant_modes=(CONTINUE,)
-        )
-        results.add(
-            {"rows": [row.to_dict() for row in rows]},
-            f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
-            f"draft acceptance {config.acceptance}, drafting {config.draft_ms:g} ms/token, RTT {config.rtt_ms:g} ms, "
-            f"--max-batch-sessions {config.batch_sessions}, edges' draft length auto:\n\n" + markdown_table(rows, 1.0),
-        )
-        step("capacity levels run")
-        prefill = InterferenceSetup(config.prefill_tokens, 4, rtt_s=setup.rtt_s, policy=EdgePolicy(8))
-        interference = asyncio.run(measure_interference(verifier.url, sessions, prefill))
-        results.add({"prefill_interference": interference.to_dict()}, interference_table(interference))
-        step("prefill interference measured")
+        if "capacity" in config.parts:
+            asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
+            # Edges ignoring the advice (Run K's "spade" rows) are left out for continuation's: the GPU's time is short.
+            ahead_setup = replace(setup, policy=replace(setup.policy, lead_tokens=config.ahead_lead_tokens))
+            rows = measure_levels(
+                verifier,
+                sessions,
+                config.users,
+                (TARGET, ADVICE, CONTINUE),
+                setup,
+                variants=variants,
+                variant_modes=(CONTINUE,),
+                variant_setups={"ahead": ahead_setup},
+            )
+            results.add(
+                {"rows": [row.to_dict() for row in rows]},
+                f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
+                f"draft acceptance {config.acceptance}, drafting {config.draft_ms:g} ms/token, RTT {config.rtt_ms:g} ms, "
+                f"--max-batch-sessions {config.batch_sessions}, edges' draft length auto{lead_note(config)}:\n\n"
+                + markdown_table(rows, 1.0),
+            )
+            step("capacity levels run")
+        if "prefill" in config.parts:
+            prefill = InterferenceSetup(config.prefill_tokens, 4, rtt_s=setup.rtt_s, policy=EdgePolicy(8))
+            interference = asyncio.run(measure_interference(verifier.url, sessions, prefill))
+            results.add({"prefill_interference": interference.to_dict()}, interference_table(interference))
+            step("prefill interference measured")
     print(results.markdown())
     return results.report
 
@@ -398,8 +462,37 @@ def _stepper(started: float):
     return step
 
 
+def lead_note(config: CheckConfig) -> str:
+    if not config.ahead_lead_tokens or not config.step_ahead_tokens:
+        return ""
+    return f" (the stepping verifier's edges drafting {config.ahead_lead_tokens} more than they choose)"
+
+
 def _shape_name(config: CheckConfig) -> str:
-    return "tiny" if config.tiny else "Qwen2.5-1.5B"
+    return {"qwen2.5-1.5b": "Qwen2.5-1.5B"}.get(config.shape_name, config.shape_name)
+
+
+def host_description(config: CheckConfig, check_cores: tuple[int, ...]) -> dict:
+    """The machine the numbers come from: device, CPU model and its vector ISA, core placement."""
+    from spade_bench.micro.cpu_physics import cpu_description
+    from verifier_service.backends.cpu_kernels import cpu_isa
+
+    model, clock_mhz = cpu_description()
+    clock = f", {clock_mhz:.0f} MHz" if clock_mhz else ""
+    return {
+        "device": _device_name(config.device),
+        "cpu": f"{model}{clock}, vector ISA {cpu_isa() or 'neither AVX2 nor AVX-512'}",
+        "verifier_cores": list(config.verifier_cores) or "all",
+        "check_cores": list(check_cores),
+    }
+
+
+def host_section(config: CheckConfig, check_cores: tuple[int, ...]) -> str:
+    host = host_description(config, check_cores)
+    return (
+        f"Host: {host['device']}; CPU {host['cpu']}; verifiers on cores {host['verifier_cores']}, "
+        f"the emulated edges on {host['check_cores']}; shape {_shape_name(config)}, {config.dtype}."
+    )
 
 
 def _device_name(device: str) -> str:
@@ -414,6 +507,22 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and a small run (for a CPU, and the tests)")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen2.5-1.5b",
+        help="the random model's shape (default qwen2.5-1.5b; host-bound: a GPU-like flat forward on a CPU)",
+    )
+    parser.add_argument(
+        "--verifier-cores", default="", help="comma list: the verifiers' cores, the check on the others (default: all for both)"
+    )
+    parser.add_argument("--sessions", type=int, default=8, help="synthetic sessions (default 8)")
+    parser.add_argument("--draft-ms", type=float, default=10.0, help="the emulated edges' drafting time per token (default 10)")
+    parser.add_argument("--rtt-ms", type=float, default=20.0, help="the emulated edges' round trip (default 20)")
+    parser.add_argument(
+        "--ahead-lead-tokens", type=int, default=0, help="the stepping verifier's edges draft this many more than they choose (default 0)"
+    )
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of what runs (default {','.join(PARTS)})")
     parser.add_argument("--users", default="1,2,4,8,16,32", help="comma list of N (default 1,2,4,8,16,32)")
     parser.add_argument("--acceptance", type=float, default=0.7, help="chance a proposal is the target's token (default 0.7)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per user (default 128)")
@@ -426,10 +535,25 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     args = parser.parse_args(argv)
     config = CheckConfig(args.output, args.device, args.dtype, args.tiny, tuple(int(n) for n in args.users.split(",")))
     config = CheckConfig(
-        **(vars(config) | {"acceptance": args.acceptance, "max_tokens": args.max_tokens, "step_ahead_tokens": args.step_ahead_tokens})
+        **(
+            vars(config)
+            | {
+                "acceptance": args.acceptance,
+                "max_tokens": args.max_tokens,
+                "step_ahead_tokens": args.step_ahead_tokens,
+                "shape_name": args.shape,
+                "verifier_cores": tuple(int(core) for core in args.verifier_cores.split(",") if core),
+                "num_sessions": args.sessions,
+                "draft_ms": args.draft_ms,
+                "rtt_ms": args.rtt_ms,
+                "ahead_lead_tokens": args.ahead_lead_tokens,
+                "parts": parse_parts(args.parts),
+            }
+        )
     )
     if args.tiny:
         tiny = {
+            "shape_name": "tiny",
             "rows": (1, 2, 4, 8),
             "forward_dtypes": ("float32",),
             "ragged_rows": (1, 2, 4, 8),
@@ -442,6 +566,14 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
         }
         config = CheckConfig(**(vars(config) | tiny))
     return config
+
+
+def parse_parts(value: str) -> tuple[str, ...]:
+    parts = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise SystemExit(f"--parts: {', '.join(unknown) or 'nothing'} is not one of {', '.join(PARTS)}")
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -261,6 +261,18 @@ def test_an_edge_caps_its_blocks_at_the_advice():
     assert (run.tokens, run.num_mismatches, sum(call.is_cut for call in run.calls)) == (len(OUTPUT), 0, 0)
 
 
+def test_an_edge_with_a_lead_drafts_that_many_more_than_its_policy_and_the_advice_choose():
+    # For a verifier stepping ahead: the block's first drafts meet its decided tokens; the stub
+    # (a lock-step verifier) cuts the rest to the advice, so the lead only costs drafting there.
+    run, calls = run_stub(EdgePolicy(5, follows_advice=True, lead_tokens=1), advice=2)
+    assert [len(call["draft_tokens"]) for call in calls][:3] == [0, 3, 3]
+    assert run.num_mismatches == 0 and run.tokens == len(OUTPUT)
+    assert EdgePolicy(5, follows_advice=True, lead_tokens=1).label == "5 + advice + lead 1"
+    assert EdgePolicy(5, lead_tokens=1).followed_advice(2) is None  # an edge ignoring the advice has no cap to lead
+    _, calls = run_stub(EdgePolicy(2, follows_advice=True, lead_tokens=2), advice=None)  # no advice: the policy's 2, plus 2
+    assert [len(call["draft_tokens"]) for call in calls][:2] == [0, 4]
+
+
 def test_an_edge_lets_the_verifier_continue_every_call_but_the_one_bringing_the_first_token():
     _, calls = run_stub(EdgePolicy(5, follows_advice=True, max_continued_tokens=4), advice=2)
     # The first token goes out at once; then within the budget: 9 left, a block of 2 -> 4; 6 -> 3; 3 -> 0.

@@ -66,3 +66,34 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu_with_a_tiny_model(tmp_path):
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| rows | float32 ms | × one row |" in markdown
     assert "| rows | fast, 1 sess. ms | fast, 4 sess. ms | packed, 1 sess. ms |" in markdown
+
+
+def test_the_host_bound_shape_and_the_verifier_cores_reach_the_check_config():
+    from spade_bench.gpu_check import HOST_BOUND_SHAPE, parse_args, verifier_spec
+
+    config = parse_args(
+        [
+            "--device",
+            "cpu",
+            "--shape",
+            "host-bound",
+            "--verifier-cores",
+            "0",
+            "--sessions",
+            "4",
+            "--draft-ms",
+            "2",
+            "--parts",
+            "capacity",
+            "--output",
+            "/tmp/x",
+        ]
+    )
+    assert config.shape == HOST_BOUND_SHAPE and config.num_sessions == 4 and config.verifier_cores == (0,)
+    assert config.draft_ms == 2.0 and config.parts == ("capacity",)
+    with pytest.raises(SystemExit, match="forwards"):
+        parse_args(["--parts", "forwards", "--output", "/tmp/x"])
+    spec = verifier_spec(config, Path("/tmp/model"))
+    assert spec.cores == (0,) and spec.threads == 1
+    assert parse_args(["--tiny", "--output", "/tmp/x"]).shape["hidden_size"] == 64
+    assert parse_args(["--output", "/tmp/x"]).shape["hidden_size"] == 1536

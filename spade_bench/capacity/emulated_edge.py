@@ -67,6 +67,11 @@ class EdgePolicy:
     max_continued_tokens: int = 0
     """Each call lets a saturated verifier continue this many tokens by itself (the edge's
     ``--max-continued-tokens``); 0: none."""
+    lead_tokens: int = 0
+    """Draft this many more than the draft-length policy and the advice choose (an edge of a
+    verifier that steps its session ahead between calls: a block's first drafts meet the tokens
+    decided meanwhile and are checked free; the choice, which counts rows, applies to the drafts
+    after them)."""
     drafts_ahead: bool = True
     """Draft ahead under every call (the real edge's defaults, ``--overlap`` with ``--edge-power
     performance``); False: draft each block only once the last verdict is in."""
@@ -81,7 +86,12 @@ class EdgePolicy:
     def label(self) -> str:
         continues = f" + continue {self.max_continued_tokens}" if self.max_continued_tokens else ""
         ahead = "" if self.drafts_ahead else " (not drafting ahead)"
-        return f"{self.draft_length}" + (" + advice" if self.follows_advice else "") + continues + ahead
+        lead = f" + lead {self.lead_tokens}" if self.lead_tokens else ""
+        return f"{self.draft_length}" + (" + advice" if self.follows_advice else "") + lead + continues + ahead
+
+    def followed_advice(self, advice: int | None) -> int | None:
+        """The cap a block keeps from the last advice (None: none), lead included."""
+        return None if advice is None or not self.follows_advice else advice + self.lead_tokens
 
 
 @dataclass(frozen=True)
@@ -252,8 +262,8 @@ class EmulatedEdge:
         try:
             while position < target_length and run.num_mismatches == 0:
                 is_first = not run.calls
-                chosen = policy.next_length()
-                followed: int | None = advice if self.policy.follows_advice else None
+                chosen = policy.next_length() + self.policy.lead_tokens
+                followed = self.policy.followed_advice(advice)
                 num_drafted = 0 if is_first else block_length(chosen, target_length - position, followed)
                 num_ready = 0 if ahead is None else min(num_drafted, ahead.num_ready)
                 await sleep(self._think_s(num_drafted, len(run.calls), time.perf_counter() - first_sent_at, ahead) + self.rtt_s)

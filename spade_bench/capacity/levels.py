@@ -25,7 +25,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import httpx
@@ -256,19 +256,23 @@ def measure_levels(
     label: str = "",
     variants: tuple[tuple[str, Service], ...] = (),
     variant_modes: tuple[str, ...] | None = None,
+    variant_setups: Mapping[str, LevelSetup] | None = None,
 ) -> list[LevelRow]:
     """Per N, each mode on ``verifier``, then each SPADE mode (of ``variant_modes``; None: all)
     on each variant verifier (its label joins the mode's: ``spade+continue@ahead``), side by
-    side in the one run."""
+    side in the one run; a variant named in ``variant_setups`` runs with that setup (its edges'
+    policy), the others with ``setup``."""
+    variant_setups = variant_setups or {}
     rows: list[LevelRow] = []
     for num_users in user_counts:
         for mode in modes:
             on_variants = mode != TARGET and (variant_modes is None or mode in variant_modes)
-            runs = [(label, verifier)] + [(f"@{name}{label}", service) for name, service in variants if on_variants]
-            for suffix, service in runs:
+            runs = [(label, verifier, setup)]
+            runs += [(f"@{name}{label}", service, variant_setups.get(name, setup)) for name, service in variants if on_variants]
+            for suffix, service, run_setup in runs:
                 if rows:
                     time.sleep(setup.pause_s)  # the level before must not leave a verifier saturated
-                level = run_level(service.url, mode, sessions, num_users, setup, cpu_seconds=service.tree_cpu_seconds)
+                level = run_level(service.url, mode, sessions, num_users, run_setup, cpu_seconds=service.tree_cpu_seconds)
                 users, delta = asyncio.run(level)
                 row = level_row(mode + suffix, users, delta)
                 print(
