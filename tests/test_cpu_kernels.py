@@ -36,6 +36,7 @@ from edge_support import edge_app
 from edge_support import verifier_app as full_context_verifier_app
 from greedy_support import TINY_PAIR_CASES, generate
 from servers import serve
+from spade_models.attention import attention_implementation
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends import cpu_kernels
@@ -369,7 +370,7 @@ def test_removing_the_patch_restores_stock_transformers_exactly(model, library, 
     assert all(torch.equal(parameter, original[name]) for name, parameter in model.named_parameters())
     assert not any("forward" in vars(module) or hasattr(module, KERNEL_ATTRIBUTE) for module in model.modules())
     assert torch.equal(block_logits(model, TOKENS, PREFIX, 9), stock)
-    assert model.config._attn_implementation == "eager"
+    assert attention_implementation(model) == "eager"
 
 
 def test_every_linear_layer_of_the_model_goes_through_the_kernel(model, library):

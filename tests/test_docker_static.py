@@ -236,7 +236,11 @@ def test_cpu_services_build_the_cpu_image_and_the_gpu_verifier_the_vllm_image(co
 
 def test_the_gpu_verifier_reserves_a_gpu_and_runs_vllm(compose):
     spec = compose["services"]["verifier-gpu"]
-    assert spec["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    [device] = spec["deploy"]["resources"]["reservations"]["devices"]
+    assert (device["driver"], interpolate(device["count"]), device["capabilities"]) == ("nvidia", "1", ["gpu"])
+    # vLLM's parallelism, one GPU and one stage unless the env file says otherwise
+    assert interpolate(spec["environment"]["SPADE_VERIFIER_TENSOR_PARALLEL_SIZE"]) == "1"
+    assert interpolate(spec["environment"]["SPADE_VERIFIER_PIPELINE_PARALLEL_SIZE"]) == "1"
     assert flags(spec["command"])["device"] == "cuda"
     assert interpolate(spec["environment"]["SPADE_VERIFIER_BACKEND"]) == "vllm"
     assert spec["environment"]["SPADE_VERIFIER_BACKEND"] == "${SPADE_GPU_BACKEND:-vllm}"  # transformers: the alternative
@@ -289,6 +293,21 @@ def test_naming_a_front_service_starts_exactly_its_part(front, env_file):
     result = run_compose(["config", "--format", "json", front], env_file)
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)["services"]) == FRONT_SERVICES[front]
+
+
+def test_the_gpu_profile_wires_vllms_parallelism_and_reserves_its_gpus(tmp_path):
+    env_file = tmp_path / "env"
+    env_file.write_text("SPADE_GPU_TENSOR_PARALLEL_SIZE=4\nSPADE_GPU_PIPELINE_PARALLEL_SIZE=2\nSPADE_GPU_COUNT=4\n")
+    result = run_compose(["--profile", "gpu", "config", "--format", "json"], env_file)
+    assert result.returncode == 0, result.stderr
+    spec = json.loads(result.stdout)["services"]["verifier-gpu"]
+    environment = spec["environment"]
+    assert (environment["SPADE_VERIFIER_TENSOR_PARALLEL_SIZE"], environment["SPADE_VERIFIER_PIPELINE_PARALLEL_SIZE"]) == ("4", "2")
+    assert spec["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 4  # a number for the engine, not a string
+    settings = settings_class("spade-verifier")(
+        backend="vllm", tensor_parallel_size=environment["SPADE_VERIFIER_TENSOR_PARALLEL_SIZE"], pipeline_parallel_size=2
+    )
+    assert (settings.tensor_parallel_size, settings.pipeline_parallel_size) == (4, 2)
 
 
 def test_keys_reach_the_services_from_the_env_file(tmp_path):

@@ -189,6 +189,32 @@ class VerifierSettings(ServiceSettings):
         description="--backend vllm: KV cache size in GiB (must hold the model's context length).",
         json_schema_extra={"advanced": True},
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "--backend vllm: GPUs each of the target's layers is split across (vLLM's tensor parallelism; the GPUs of one"
+            " node, or per node with --pipeline-parallel-size)."
+        ),
+        json_schema_extra={"advanced": True},
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "--backend vllm: stages the target's layers are split into (vLLM's pipeline parallelism; across nodes: the"
+            " number of nodes, each with --tensor-parallel-size GPUs)."
+        ),
+        json_schema_extra={"advanced": True},
+    )
+    distributed_executor_backend: Literal["mp", "ray"] | None = Field(
+        None,
+        description=(
+            "--backend vllm: how vLLM runs its workers: mp, processes on this node; ray, a Ray cluster started beforehand"
+            " (vLLM's way across nodes). Default: vLLM's choice (mp where this node has the GPUs)."
+        ),
+        json_schema_extra={"advanced": True, "default_note": "vLLM's choice"},
+    )
     vllm_exact_route: Literal["sample_match", "full_logprobs"] = Field(
         "sample_match",
         description=(
@@ -208,6 +234,14 @@ class VerifierSettings(ServiceSettings):
         ),
         json_schema_extra={"advanced": True, "default_note": "native on --backend vllm, else verify-steps"},
     )
+
+    @field_validator("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+    @classmethod
+    def _parallelism_needs_vllm(cls, value: int | str | None, info: ValidationInfo) -> int | str | None:
+        if value not in (1, None) and info.data.get("backend") != "vllm":
+            flag = "--" + str(info.field_name).replace("_", "-")
+            raise ValueError(f"{flag} is vLLM's: it needs --backend vllm (--backend transformers runs the target on one device)")
+        return value
 
     @field_validator("target_route")
     @classmethod

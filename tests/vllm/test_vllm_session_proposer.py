@@ -81,3 +81,14 @@ async def test_two_sessions_with_the_same_prompt_never_take_each_others_proposal
     accepted = after["accepted"] - before["accepted"]
     assert 0 < proposed <= MAX_TOKENS  # one session's answer at most: B was never proposed A's tokens
     assert accepted == proposed  # A's proposals were the target's own tokens
+
+
+def test_the_vllm_this_suite_runs_is_the_version_the_extra_pins():
+    """The proposer hook and the backend were tested on this version: the ``[vllm]`` extra pins it."""
+    import tomllib
+    from pathlib import Path
+
+    import vllm
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == [f"vllm=={vllm.__version__.split('+')[0]}"]

@@ -12,7 +12,26 @@ from verifier_service.backends.base import BlockToVerify, BlockVerdict, Verifier
 if TYPE_CHECKING:
     from verifier_service.settings import VerifierSettings
 
-__all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend"]
+__all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend", "vllm_engine_options"]
+
+
+def vllm_engine_options(settings: VerifierSettings):
+    """The ``VllmEngineOptions`` the settings ask for (``--backend vllm``): model length, KV cache,
+    exact route, and vLLM's own parallelism. Importable without vLLM."""
+    from verifier_service.backends.vllm_backend import VllmEngineOptions
+
+    return VllmEngineOptions(
+        dtype=settings.dtype,
+        device=settings.device,
+        max_model_len=settings.max_context_length,
+        block_size=settings.vllm_block_size,
+        kv_cache_gib=settings.vllm_kv_cache_gib,
+        exact_route=settings.vllm_exact_route,
+        served_model_name=settings.served_model_name,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        distributed_executor_backend=settings.distributed_executor_backend,
+    )
 
 
 async def create_backend(settings: VerifierSettings) -> VerifierBackend:
@@ -24,18 +43,9 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
         raise ValueError("--batch-invariant is a mode of --backend transformers")
     backend: VerifierBackend
     if settings.backend == "vllm":
-        from verifier_service.backends.vllm_backend import VllmEngineOptions, create_vllm_backend
+        from verifier_service.backends.vllm_backend import create_vllm_backend
 
-        options = VllmEngineOptions(
-            dtype=settings.dtype,
-            device=settings.device,
-            max_model_len=settings.max_context_length,
-            block_size=settings.vllm_block_size,
-            kv_cache_gib=settings.vllm_kv_cache_gib,
-            exact_route=settings.vllm_exact_route,
-            served_model_name=settings.served_model_name,
-        )
-        backend = await create_vllm_backend(source, options)
+        backend = await create_vllm_backend(source, vllm_engine_options(settings))
     else:
         from spade_models.loader import load_model
         from verifier_service.backends.transformers.backend import TransformersBackend

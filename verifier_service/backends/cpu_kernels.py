@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Literal, TypeGuard
 import torch
 from torch import nn
 
+from spade_models.attention import attention_implementation, set_attention_implementation
 from verifier_service.backends.cpu_attention import GQA_ATTENTION, KERNEL_ATTRIBUTE, ROWWISE_ATTENTION, register_attention
 
 if TYPE_CHECKING:
@@ -294,7 +295,7 @@ class CpuKernelPatch:
         for attention_module in self.attending:
             delattr(attention_module, KERNEL_ATTRIBUTE)
         self.attending.clear()
-        set_attention(self.model, self.previous_attention)
+        set_attention_implementation(self.model, self.previous_attention)
 
 
 def apply_cpu_kernels(
@@ -306,7 +307,7 @@ def apply_cpu_kernels(
     if next(model.parameters()).device.type != "cpu" or model.dtype != torch.float32:
         raise ValueError("the CPU kernels take a float32 model on the CPU")
     register_attention()
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     attention = ROWWISE_ATTENTION if batch_invariant else GQA_ATTENTION
     linears = [module for module in model.modules() if is_patchable(module)]
     packed: list[nn.Linear] = []
@@ -331,7 +332,7 @@ def apply_cpu_kernels(
     attending = attention_modules(model) if batch_invariant and library is not None and library.attends else []
     for attention_module in attending:
         setattr(attention_module, KERNEL_ATTRIBUTE, library)
-    set_attention(model, attention)
+    set_attention_implementation(model, attention)
     mode = "batch_invariant" if batch_invariant else "fast"
     shown = f"{attention} (kernel-{library.isa.lower()})" if attending and library is not None else attention
     return CpuKernelPatch(model, mode, linear_path, len(linears), shown, previous, linears, packed, panel_width, attending)
@@ -423,11 +424,6 @@ def unpacked(weight: torch.Tensor, panel_width: int) -> torch.Tensor:
     """A row-major copy of a packed weight (or of whole packed panels)."""
     num_outputs, num_inputs = weight.shape
     return weight.view(num_outputs // panel_width, num_inputs, panel_width).transpose(1, 2).reshape(num_outputs, num_inputs)
-
-
-def set_attention(model: PreTrainedModel, implementation: str) -> None:
-    if model.config._attn_implementation != implementation:
-        model.set_attn_implementation(implementation)
 
 
 def kernel_forward(product: Callable[..., torch.Tensor], row_major: Callable[[torch.Tensor], torch.Tensor] = lambda weight: weight):

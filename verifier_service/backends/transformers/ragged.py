@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
+from spade_models.attention import attention_for_call
 from spade_models.kv_cache import cache_argument_name
 from verifier_service.backends.cpu_attention import gqa_attention, rowwise_attention
 
@@ -170,19 +171,14 @@ def ragged_forward(
     flat_ids = [token_id for ids in new_token_ids for token_id in ids]
     flat_positions = [start + offset for ids, start in zip(new_token_ids, positions, strict=True) for offset in range(len(ids))]
     device = next(model.parameters()).device
-    implementation = model.config._attn_implementation
-    model.config._attn_implementation = RAGGED_ATTENTION  # every attention layer reads it per call
-    try:
-        with torch.inference_mode():
-            output = model(
-                input_ids=torch.tensor([flat_ids], device=device),
-                position_ids=torch.tensor([flat_positions], device=device),
-                attention_mask=NO_MASK,
-                use_cache=True,
-                logits_to_keep=torch.tensor(scored_rows, dtype=torch.long, device=device),
-                ragged_cache=ragged_cache,
-                **{cache_argument_name(model): ragged_cache},
-            )
-    finally:
-        model.config._attn_implementation = implementation
+    with attention_for_call(model, RAGGED_ATTENTION), torch.inference_mode():
+        output = model(
+            input_ids=torch.tensor([flat_ids], device=device),
+            position_ids=torch.tensor([flat_positions], device=device),
+            attention_mask=NO_MASK,
+            use_cache=True,
+            logits_to_keep=torch.tensor(scored_rows, dtype=torch.long, device=device),
+            ragged_cache=ragged_cache,
+            **{cache_argument_name(model): ragged_cache},
+        )
     return output.logits[0].float()
