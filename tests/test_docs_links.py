@@ -1,7 +1,7 @@
 """The documents stay navigable and the README's figures stay sourced.
 
-- every relative link in README.md and docs/**/*.md points at a file that exists (anchors are not
-  checked, only the file);
+- every relative link in README.md and docs/**/*.md points at a file that exists, and a link to a
+  heading (``file.md#anchor``, ``#anchor``) at a heading that exists, slugged as GitHub does;
 - every run page under docs/runs/ is listed in the runs index;
 - "Where it stands" quotes only what docs/results.json holds: each row of the README's table is a
   row of the file, with its date, machine and run document, and every number it quotes is one the
@@ -34,6 +34,35 @@ def relative_links(path: Path) -> list[str]:
     return [link for link in links if not re.match(r"[a-z]+:", link) and not link.startswith("#")]
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown file: lower case, punctuation other
+    than hyphens and underscores dropped, spaces as hyphens, repeats numbered -1, -2, ...
+
+    Example: "### The verifier pool: `python -m spade_bench.pool`" ->
+    "the-verifier-pool-python--m-spade_benchpool"."""
+    text = re.sub(r"^(```|~~~).*?^\1", "", path.read_text(), flags=re.S | re.M)
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, flags=re.M):
+        anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchors.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+        seen[anchor] = seen.get(anchor, 0) + 1
+    return anchors
+
+
+def anchored_links(path: Path) -> list[tuple[Path, str, str]]:
+    """(target file, anchor, the link) for each link to a heading of a markdown file."""
+    found = []
+    for link in LINK.findall(prose(path.read_text())):
+        if re.match(r"[a-z]+:", link) or "#" not in link:
+            continue
+        file, anchor = link.split("#", 1)
+        target = path if not file else path.parent / file
+        if target.suffix == ".md" and target.exists():
+            found.append((target, anchor, link))
+    return found
+
+
 def numbers(text: str) -> set[str]:
     return set(NUMBER.findall(text))
 
@@ -42,6 +71,19 @@ def numbers(text: str) -> set[str]:
 def test_every_relative_link_resolves(path):
     missing = [link for link in relative_links(path) if not (path.parent / link.split("#")[0]).exists()]
     assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
+
+
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_link_to_a_heading_finds_it(path):
+    broken = [link for target, anchor, link in anchored_links(path) if anchor not in heading_anchors(target)]
+    assert not broken, f"{path.relative_to(ROOT)} links to headings that do not exist: {broken}"
+
+
+def test_headings_get_githubs_anchors(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Design\n\n## Scaling out\n\n```\n# not a heading\n```\n\n### The pool: `python -m spade_bench.pool`\n\n## Scaling out\n")
+    assert heading_anchors(page) == {"design", "scaling-out", "the-pool-python--m-spade_benchpool", "scaling-out-1"}
+    assert sum(len(anchored_links(path)) for path in DOCUMENTS) > 50  # the documents do link to headings
 
 
 def test_the_runs_index_lists_every_run():
