@@ -81,7 +81,9 @@ def test_every_link_to_a_heading_finds_it(path):
 
 def test_headings_get_githubs_anchors(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Design\n\n## Scaling out\n\n```\n# not a heading\n```\n\n### The pool: `python -m spade_bench.pool`\n\n## Scaling out\n")
+    page.write_text(
+        "# Design\n\n## Scaling out\n\n```\n# not a heading\n```\n\n### The pool: `python -m spade_bench.pool`\n\n## Scaling out\n"
+    )
     assert heading_anchors(page) == {"design", "scaling-out", "the-pool-python--m-spade_benchpool", "scaling-out-1"}
     assert sum(len(anchored_links(path)) for path in DOCUMENTS) > 50  # the documents do link to headings
 
