@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 
 if TYPE_CHECKING:
+    from verifier_service.backends.vllm_backend import VllmEngineOptions
     from verifier_service.settings import VerifierSettings
 
 __all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend", "vllm_engine_options"]
 
 
-def vllm_engine_options(settings: VerifierSettings):
+def vllm_engine_options(settings: VerifierSettings) -> VllmEngineOptions:
     """The ``VllmEngineOptions`` the settings ask for (``--backend vllm``): model length, KV cache,
     exact route, and vLLM's own parallelism. Importable without vLLM."""
     from verifier_service.backends.vllm_backend import VllmEngineOptions
