@@ -139,11 +139,13 @@ def settings_from_arguments(
 class QuietAccessLog(logging.Filter):
     """Leaves successful calls to ``paths`` out of uvicorn's access log: the edges' verify calls
     come tens a second per edge (formatting and writing each line was ~4 % of the verifier's
-    event loop) and are counted on /metrics; failed ones are still logged."""
+    event loop) and are counted on /metrics; failed ones are still logged. A path that starts with
+    ``*`` matches by its ending (``*/proposals``: every session's proposals route)."""
 
     def __init__(self, paths: tuple[str, ...]) -> None:
         super().__init__()
-        self.paths = frozenset(paths)
+        self.paths = frozenset(path for path in paths if not path.startswith("*"))
+        self.endings = tuple(path[1:] for path in paths if path.startswith("*"))
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
@@ -151,7 +153,7 @@ class QuietAccessLog(logging.Filter):
         if not isinstance(args, tuple) or len(args) != 5:
             return True
         path, status = str(args[2]).split("?", 1)[0], args[4]
-        return not (path in self.paths and isinstance(status, int) and status < 400)
+        return not ((path in self.paths or path.endswith(self.endings)) and isinstance(status, int) and status < 400)
 
 
 def service_parser(prog: str, description: str, settings_class: type[BaseSettings]) -> argparse.ArgumentParser:

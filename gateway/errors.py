@@ -50,6 +50,10 @@ class ModelNotFoundError(GatewayError):
     """The request names a model this service does not serve."""
 
 
+class SessionNotFoundError(GatewayError):
+    """A route names a session this service does not hold (never opened, closed or expired)."""
+
+
 class SessionConflictError(GatewayError):
     """A verify call's prefix does not match the session (the edge must resend its context)."""
 
@@ -78,6 +82,7 @@ ERROR_TABLE: dict[type[Exception], tuple[str, int]] = {
     AuthenticationError: ("invalid_request_error", 401),
     PermissionDeniedError: ("permission_error", 403),
     ModelNotFoundError: ("not_found_error", 404),
+    SessionNotFoundError: ("not_found_error", 404),
     SessionConflictError: ("conflict_error", 409),
     RequestTooLargeError: ("invalid_request_error", 413),
     OverloadedError: ("rate_limit_error", 429),

@@ -32,6 +32,13 @@ def test_the_filter_drops_successful_calls_to_its_paths_only():
     assert quiet.filter(logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "no args", None, None))
 
 
+def test_a_path_with_a_star_matches_by_its_ending():
+    quiet = QuietAccessLog(("/v1/verify", "*/proposals"))
+    assert not quiet.filter(_access_record("/v1/pipeline/sessions/s-1/proposals", 204))
+    assert quiet.filter(_access_record("/v1/pipeline/sessions/s-1/proposals", 404))
+    assert quiet.filter(_access_record("/v1/pipeline/sessions/s-1/decided", 200))
+
+
 def test_the_verifier_logs_failed_verify_calls_and_other_routes_but_not_successful_verify_calls(tiny_pair):
     port = free_port()
     command = [sys.executable, "-c", "import sys; from verifier_service.cli import main; sys.exit(main())"]

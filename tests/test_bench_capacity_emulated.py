@@ -27,12 +27,16 @@ from spade_bench.capacity.emulated_edge import (
     leading_matches,
 )
 from spade_bench.capacity.levels import QUIET_PAUSE_S, LevelSetup, measure_levels, run_level
+from spade_bench.capacity.pipelined_edge import PipelinePolicy, rebased_drafts
 from spade_bench.capacity.prefill_interference import InterferenceSetup, measure_interference
 from spade_bench.capacity.report import (
     ADVICE,
     CONTINUE,
     MODEL_FORWARDS,
     MODEL_ROWS,
+    PIPE,
+    PIPE_PROPOSED,
+    PIPE_STALE,
     QUEUE_P50_MS,
     SPADE,
     TARGET,
@@ -129,6 +133,26 @@ def test_edges_stay_exact_against_a_verifier_stepping_ahead_and_its_row_says_how
     assert rows[0].ahead_share is None or rows[0].ahead_share == 0
     assert rows[1].ahead_share is not None and rows[1].ahead_share > 0
     assert "@ahead" in markdown_table(rows, 1.0)
+
+
+@pytest.mark.parametrize("policy", [PipelinePolicy(8, 1), PipelinePolicy(2, 3)])
+def test_edges_on_the_pipelined_wire_stay_exact_and_their_row_says_what_they_proposed(tiny_pair, traced, policy):
+    """``spade+pipe``: edges drafting continuously, proposing as they draft, the verifier
+    decoding their sessions in every forward; every decided token is the target's. A window of
+    one token makes the verifier wait for each proposal (the tiny target outruns any edge)."""
+    from verifier_support import verifier_app
+
+    setup = LevelSetup(rtt_s=0.004, pipeline=policy)
+    app = verifier_app(tiny_pair, max_batch_sessions=4, batch_wait_ms=1.0, pipelined_sessions=True, pipeline_window_tokens=1)
+    with serve(app) as url:
+        users, delta = asyncio.run(run_level(url, PIPE, traced, 3, setup))
+        row = level_row(PIPE, users, delta)
+        assert httpx.get(url + "/metrics").text.count("spade_verifier_pipeline_sessions 0.0") == 1  # every session closed
+    assert [user.num_mismatches for user in users] == [0, 0, 0]
+    assert [user.tokens for user in users] == [MAX_TOKENS] * 3
+    assert all(user.num_calls > 0 and user.num_drafted > 0 for user in users)
+    assert row.proposal_share is not None and 0 < row.proposal_share < 1
+    assert row.stale_proposals is not None
 
 
 def test_no_level_or_mode_is_served_a_prompt_another_prefilled(capacity_verifier_url, traced):
@@ -458,6 +482,13 @@ def test_the_queue_p50_is_read_from_the_histogram_buckets():
     assert histogram_quantile({0.01: 1.0, float("inf"): 4.0}, 0.9) == 0.01
 
 
+def test_a_pipelined_edge_keeps_the_drafts_the_decided_tokens_confirm():
+    assert rebased_drafts([1, 2, 3, 4], 2, [3, 4, 5]) == [5]
+    assert rebased_drafts([1, 2, 9], 2, [3, 4, 5]) == []
+    assert rebased_drafts([1, 2, 3, 4, 5, 6], 2, [3, 4, 5]) == []  # passed them all
+    assert rebased_drafts([1, 2], 2, [3]) == [3]
+
+
 def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters():
     users = [
         UserResult(SPADE, 10, 0.0, 5.0, 1.0, num_calls=4, num_drafted=12, num_cut=1),
@@ -470,11 +501,24 @@ def test_sessions_per_forward_and_rows_per_token_come_from_the_verifier_counters
     assert (without.sessions_per_forward, without.rows_per_token, without.mean_block) == (None, None, None)
     table = markdown_table([row, without], 1.0)
     assert table.splitlines()[0].startswith("| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s |")
-    columns = ("verifier CPU s/tok", "sessions/forward", "rows/token", "queue ms p50", "block", "cut", "continued", "ahead used / dropped")
+    columns = (
+        "verifier CPU s/tok",
+        "sessions/forward",
+        "rows/token",
+        "queue ms p50",
+        "block",
+        "cut",
+        "continued",
+        "ahead used / dropped",
+        "proposed / stale",
+    )
     for column in (*columns, "mismatches"):
         assert f"| {column} |" in table.splitlines()[0] or table.splitlines()[0].endswith(f"| {column} |")
     assert "| 2 | target | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | n/a | n/a | n/a | – | – | – | – |" in table
-    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0.00 | – | 0 |" in table
+    assert "| 2 | spade | 4.00 | 1.00× | 2.00 | 2.00 | 1.00 | 1.00 | – | 1.60 | 1.50 | 12 | 1.5 | 1 | 0.00 | – | – | 0 |" in table
+    pipelined = level_row(PIPE, users, delta | {PIPE_PROPOSED: 8.0, PIPE_STALE: 2.0})
+    assert (pipelined.proposal_share, pipelined.stale_proposals) == (0.4, 0.1)
+    assert "| 0.40 / 0.10 | 0 |" in markdown_table([pipelined], 1.0)
     assert "Prefill bound (target-only's user time / its TTFT, p50s: SPADE's ceiling were decoding free) — N = 2: 5.00×." in table
 
 

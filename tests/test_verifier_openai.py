@@ -339,6 +339,8 @@ VERIFIER_COUNTERS = [
     "ahead_tokens",
     "ahead_answers",
     "ahead_drafts",
+    "pipeline_tokens",  # --pipelined-sessions: 0 here
+    "pipeline_proposals",
     "native_requests",  # vLLM's own decode loop (--target-route native): 0 here
     "native_aborted",
     "prompt_tokens",

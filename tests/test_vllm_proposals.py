@@ -9,7 +9,8 @@ import multiprocessing
 import numpy as np
 import pytest
 
-from verifier_service.backends.vllm_proposals import Proposal, ProposalBoard, aligned_proposal, session_key
+from spade_core.proposals import Proposal, aligned_proposal
+from verifier_service.backends.vllm_proposals import ProposalBoard, session_key
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
 
 from gateway.errors import ServiceUnavailableError, install_error_handlers
 from gateway.guards import install_guards
@@ -21,6 +22,8 @@ from verifier_service.backends import create_backend
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget, RetainedKv
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.pipeline import PipelineSessions
+from verifier_service.pipeline_protocol import PipelineClosed, PipelineOpen, PipelineOpened, PipelineProposal
 from verifier_service.protocol import (
     WIRE_VERSION,
     HealthStatus,
@@ -54,6 +57,8 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
             loading.cancel()
             sweeping.cancel()
             service: VerifierService | None = app.state.service
+            if app.state.pipeline is not None:
+                await app.state.pipeline.aclose()
             if service is not None:
                 await service.backend.aclose()
                 if service.audit is not None:
@@ -64,11 +69,14 @@ def create_app(settings: VerifierSettings, backend_factory: BackendFactory = cre
     app.state.metrics = VerifierMetrics()
     app.state.service = None
     app.state.engine = None
-    app.state.unlogged_paths = ("/v1/verify",)  # successful ones: see gateway.cli.QuietAccessLog
+    app.state.pipeline = None
+    app.state.unlogged_paths = ("/v1/verify", "*/proposals")  # successful ones: see gateway.cli.QuietAccessLog
     install_error_handlers(app)
     install_guards(app, settings, settings.host)
     app.include_router(build_openai_router())
     _add_verifier_routes(app)
+    if settings.pipelined_sessions:
+        _add_pipeline_routes(app)
     return app
 
 
@@ -83,6 +91,8 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     sessions = SessionRegistry(settings.session_limits(), _kv_budget(backend, settings), retained)
     audit = None if settings.audit_log is None else AuditLog(settings.audit_log)
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics, settings.prefix_sharing, audit)
+    if settings.pipelined_sessions:
+        app.state.pipeline = PipelineSessions(backend, settings.pipeline_limits(), app.state.metrics, settings.prefix_sharing)
     route = settings.target_only_route()
     app.state.engine = create_target_engine(backend, route, app.state.metrics, settings.prefix_sharing)
     logger.info("verifier ready: %s (%s backend, target-only route %s)", backend.model.model_id, backend.name, route)
@@ -102,6 +112,8 @@ async def _sweep_expired_sessions(app: FastAPI, interval_s: float) -> None:
         service: VerifierService | None = app.state.service
         if service is not None:
             service.drop_expired_sessions()
+        if app.state.pipeline is not None:
+            app.state.pipeline.drop_idle()
 
 
 def _kv_budget(backend: VerifierBackend, settings: VerifierSettings) -> KvBudget | None:
@@ -117,6 +129,40 @@ def current_service(request: Request) -> VerifierService:
     if service is None:
         raise ServiceUnavailableError("the target model is still loading; retry when /health reports ok")
     return service
+
+
+def current_pipeline(request: Request) -> PipelineSessions:
+    pipeline = request.app.state.pipeline
+    if pipeline is None:
+        raise ServiceUnavailableError("the target model is still loading; retry when /health reports ok")
+    return pipeline
+
+
+def _add_pipeline_routes(app: FastAPI) -> None:
+    """The pipelined-session wire (``verifier_service.pipeline_protocol``), experimental."""
+
+    @app.post("/v1/pipeline/sessions", status_code=201, responses=error_responses(400, 401, 429, 503))
+    async def open_session(body: PipelineOpen, request: Request) -> PipelineOpened:
+        return current_pipeline(request).open(body, owner=caller_key_id(request) or "")
+
+    @app.post("/v1/pipeline/sessions/{session_id}/proposals", status_code=204, responses=error_responses(400, 401, 404, 503))
+    async def propose(session_id: str, body: PipelineProposal, request: Request) -> Response:
+        current_pipeline(request).propose(session_id, body, owner=caller_key_id(request) or "")
+        return Response(status_code=204)
+
+    @app.get("/v1/pipeline/sessions/{session_id}/decided", responses=error_responses(400, 401, 404, 503))
+    async def decided(session_id: str, request: Request, after: int = Query(0, ge=0)) -> EventSourceResponse:
+        events = current_pipeline(request).decided(session_id, after, owner=caller_key_id(request) or "")
+
+        async def stream():
+            async for event in events:
+                yield {"event": "decided", "data": event.model_dump_json()}
+
+        return EventSourceResponse(stream(), ping=15)
+
+    @app.delete("/v1/pipeline/sessions/{session_id}", responses=error_responses(401, 404, 503))
+    async def close_session(session_id: str, request: Request) -> PipelineClosed:
+        return current_pipeline(request).close(session_id, owner=caller_key_id(request) or "")
 
 
 def _add_verifier_routes(app: FastAPI) -> None:

@@ -147,6 +147,30 @@ class VerifierMetrics:
             self.ahead_tokens.labels(outcome)
         for outcome in ("confirmed", "stale"):
             self.ahead_drafts.labels(outcome)
+        self.pipeline_sessions = Gauge(
+            "spade_verifier_pipeline_sessions",
+            "Pipelined sessions open (--pipelined-sessions), finished ones not yet closed included",
+            registry=self.registry,
+        )
+        self.pipeline_tokens = Counter(
+            "spade_verifier_pipeline_tokens",
+            "Tokens pipelined sessions decided: accepted proposed drafts (proposal) or the target's own next token of a"
+            " forward (verifier: the correction, the bonus, or a step with nothing proposed)",
+            ["source"],
+            registry=self.registry,
+        )
+        self.pipeline_proposals = Counter(
+            "spade_verifier_pipeline_proposals",
+            "Proposals of pipelined sessions by what became of them: read by a forward (used), contradicted by decided"
+            " tokens before any forward read them (stale), replaced by a newer one before any forward read them"
+            " (superseded), or passed by decided tokens without a contradiction before any forward read them (passed)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for source in ("proposal", "verifier"):
+            self.pipeline_tokens.labels(source)
+        for outcome in ("used", "stale", "superseded", "passed"):
+            self.pipeline_proposals.labels(outcome)
         self.native_requests = Counter(
             "spade_verifier_native_requests",
             (

@@ -13,6 +13,7 @@ from spade_core.params import MAX_CONTINUED_TOKENS
 if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and must not
     from verifier_service.backends.cpu_kernels import BatchInvariance
     from verifier_service.backends.transformers.scheduler import SchedulerLimits
+    from verifier_service.pipeline import PipelineLimits
     from verifier_service.service import VerifyLimits
     from verifier_service.sessions import SessionLimits
 
@@ -59,6 +60,21 @@ class VerifierSettings(ServiceSettings):
             " unchanged; at temperature > 0 the output is the target's distribution but not the lock-step's text for a"
             " seed. 0: lock-step (the default)."
         ),
+        json_schema_extra={"advanced": True},
+    )
+    pipelined_sessions: bool = Field(
+        False,
+        description=(
+            "Experimental: serve the pipelined-session wire (/v1/pipeline/sessions: the verifier decodes each session in"
+            " every forward and reads the edge's proposals as they arrive) beside the verify wire."
+        ),
+        json_schema_extra={"advanced": True},
+    )
+    pipeline_window_tokens: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        description="--pipelined-sessions: tokens a session decodes past what its edge has acknowledged, at most.",
         json_schema_extra={"advanced": True},
     )
     max_sessions: int = Field(256, ge=1, description="Edge sessions kept (least recently used evicted).")
@@ -287,3 +303,8 @@ class VerifierSettings(ServiceSettings):
         from verifier_service.service import VerifyLimits
 
         return VerifyLimits(self.max_draft_length, self.max_draft_support, self.max_continued_tokens, self.step_ahead_tokens)
+
+    def pipeline_limits(self) -> PipelineLimits:
+        from verifier_service.pipeline import PipelineLimits
+
+        return PipelineLimits(self.pipeline_window_tokens, self.max_draft_length, self.max_sessions, self.session_ttl_s)

@@ -6,6 +6,8 @@
     spade+continue the same, each call letting a saturated verifier continue up to
                    ``LevelSetup.max_continued_tokens`` tokens by itself (the real edge's default)
     replay         N edges replaying the recorded verify calls as they were (fixed blocks)
+    spade+pipe     N emulated edges on the pipelined-session wire (``pipelined_edge``), drafting
+                   continuously, proposing as they draft (the verifier needs --pipelined-sessions)
     target         N users streaming the same prompts from the verifier's /v1/chat/completions
 
 Each user runs session k mod len(sessions). The verifier's /metrics are read before and after:
@@ -31,12 +33,16 @@ from dataclasses import dataclass, replace
 import httpx
 
 from spade_bench.capacity.emulated_edge import EdgePolicy, EmulatedEdge, EmulatedRun
+from spade_bench.capacity.pipelined_edge import PipelinedEdge, PipelinePolicy
 from spade_bench.capacity.report import (
     ADVICE,
     AHEAD_DROPPED,
     AHEAD_USED,
     CONTINUE,
     EMULATED_MODES,
+    PIPE,
+    PIPE_PROPOSED,
+    PIPE_STALE,
     QUEUE_HISTOGRAM,
     QUEUE_P50_MS,
     REPLAY,
@@ -70,7 +76,7 @@ METRIC_NAMES = (
     "spade_verifier_prefix_hit_tokens_total",  # 0 at every level: each user's calls have a salt of their own
     "spade_verifier_ahead_steps_total",
 )
-LABELED_SERIES = (AHEAD_USED, AHEAD_DROPPED)
+LABELED_SERIES = (AHEAD_USED, AHEAD_DROPPED, PIPE_PROPOSED, PIPE_STALE)
 """Series of one label set each, read as they are (``parse_prometheus`` sums a name's label sets)."""
 
 
@@ -87,6 +93,8 @@ class LevelSetup:
     timeout_s: float = 1800.0
     pause_s: float = 0.0
     """Seconds the verifier rests between two levels (``measure_levels``)."""
+    pipeline: PipelinePolicy = PipelinePolicy()
+    """The ``spade+pipe`` edges' lead and proposal rate."""
 
 
 # --- users ------------------------------------------------------------------------------------
@@ -119,6 +127,24 @@ async def emulated_user(client: httpx.AsyncClient, mode: str, session: RecordedS
     think_s = session.calls[0].think_s if session.calls and not session.calls[0].request["draft_tokens"] else 0.0
     edge = EmulatedEdge(session.trace, policy, setup.rtt_s, think_s)
     return emulated_result(mode, await edge.run(client, asyncio.sleep))
+
+
+async def pipelined_user(client: httpx.AsyncClient, session: RecordedSession, setup: LevelSetup) -> UserResult:
+    """One emulated edge on the pipelined-session wire (``pipelined_edge``); the verifier must
+    serve it (``--pipelined-sessions``)."""
+    if session.trace is None:
+        raise ValueError(f"session {session.item_id} has no draft trace: record again")
+    run = await PipelinedEdge(session.trace, setup.pipeline, setup.rtt_s).run(client)
+    return UserResult(
+        PIPE,
+        run.tokens,
+        run.started_at,
+        run.finished_at,
+        run.ttft_s,
+        num_calls=run.num_proposals,
+        num_mismatches=run.num_mismatches,
+        num_drafted=run.num_drafted,
+    )
 
 
 async def replay_user(client: httpx.AsyncClient, session: RecordedSession, rtt_s: float) -> UserResult:
@@ -201,6 +227,8 @@ async def run_level(
         chosen = [sessions[k % len(sessions)] for k in range(num_users)]
         if mode in EMULATED_MODES:
             users = [emulated_user(client, mode, session, setup) for session in chosen]
+        elif mode == PIPE:
+            users = [pipelined_user(client, session, setup) for session in chosen]
         elif mode == REPLAY:
             users = [replay_user(client, session, setup.rtt_s) for session in chosen]
         elif mode == TARGET:

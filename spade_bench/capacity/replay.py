@@ -50,14 +50,14 @@ from spade_bench.capacity.emulated_edge import EdgePolicy
 from spade_bench.capacity.levels import QUIET_PAUSE_S, LevelSetup, measure_levels
 from spade_bench.capacity.prefill_interference import InterferenceResult, InterferenceSetup, interference_table, measure_interference
 from spade_bench.capacity.record import ThreadServer, VerifyRecorder, recording_app
-from spade_bench.capacity.report import ADVICE, CONTINUE, EMULATED_MODES, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
+from spade_bench.capacity.report import ADVICE, CONTINUE, EMULATED_MODES, PIPE, REPLAY, SPADE, TARGET, LevelRow, markdown_table, write_plots
 from spade_bench.capacity.sessions import RecordedSession, read_sessions, write_sessions
 from spade_bench.client import Generation, make_client, served_model, stream_chat
 from spade_bench.config import DEFAULT_DRAFT, DEFAULT_TARGET, Placement
 from spade_bench.data import BenchItem, DataSelection, conversation, load_items
 from spade_bench.services import ServiceSpec, console_command, edge_command, start_service, verifier_command
 
-MODES = (TARGET, SPADE, ADVICE, CONTINUE, REPLAY)
+MODES = (TARGET, SPADE, ADVICE, CONTINUE, PIPE, REPLAY)
 MIXES = {
     "short": {"max_tokens": 128},
     "long": {"max_tokens": 32, "max_article_chars": 8000, "min_prompt_chars": 4500},
@@ -134,7 +134,8 @@ def _verifier_spec(config: CapacityConfig, batch: int, variant: tuple[str, tuple
     """The verifier of ``batch`` (``variant``: a label and the flags it adds)."""
     label, extra = variant
     command = verifier_command(config.target, None, config.dtype, config.placement.threads)
-    command += ("--max-batch-sessions", str(batch), *config.verifier_args, *extra)
+    pipelined = ("--pipelined-sessions", "true") if PIPE in config.modes else ()  # the wire spade+pipe's edges speak
+    command += ("--max-batch-sessions", str(batch), *pipelined, *config.verifier_args, *extra)
     name = f"verifier-batch{batch}" + (f"-{label}" if label else "")
     return ServiceSpec(name, command, config.placement.verifier_cores, config.placement.threads, config.output_dir / "logs")
 
@@ -190,7 +191,7 @@ class CapacityRun:
 def run_capacity(config: CapacityConfig) -> CapacityRun:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     sessions = read_sessions(config.recording) if config.recording else record_phase(config)
-    needs_traces = bool(set(EMULATED_MODES) & set(config.modes)) or config.prefill is not None
+    needs_traces = bool({*EMULATED_MODES, PIPE} & set(config.modes)) or config.prefill is not None
     run = CapacityRun(sessions)
     setup = LevelSetup(config.rtt_ms / 1e3, config.edge_policy, config.max_continued_tokens, pause_s=config.pause_s)
     for batch in config.batch_sessions:

@@ -33,10 +33,13 @@ ADVICE = "spade+advice"
 CONTINUE = "spade+continue"
 """Emulated edges that follow advice and let a saturated verifier continue their sessions by
 itself (``--max-continued-tokens``; the real edge's default)."""
+PIPE = "spade+pipe"
+"""Emulated edges on the pipelined-session wire (``pipelined_edge``): drafting continuously,
+proposing as they draft, the verifier decoding their sessions in every forward."""
 REPLAY = "replay"
 """Edges replaying the recorded verify calls (fixed blocks)."""
 TARGET = "target"
-SPADE_MODES = (SPADE, ADVICE, CONTINUE, REPLAY)
+SPADE_MODES = (SPADE, ADVICE, CONTINUE, PIPE, REPLAY)
 EMULATED_MODES = (SPADE, ADVICE, CONTINUE)
 """The modes whose users are emulated edges (``emulated_edge``)."""
 VERIFIER_CPU = "verifier_tree_cpu_seconds"
@@ -48,6 +51,8 @@ MODEL_FORWARDS = "spade_verifier_model_forwards_total"
 MODEL_ROWS = "spade_verifier_model_forward_rows_total"
 AHEAD_USED = 'spade_verifier_ahead_tokens_total{outcome="used"}'
 AHEAD_DROPPED = 'spade_verifier_ahead_tokens_total{outcome="dropped"}'
+PIPE_PROPOSED = 'spade_verifier_pipeline_tokens_total{source="proposal"}'
+PIPE_STALE = 'spade_verifier_pipeline_proposals_total{outcome="stale"}'
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,13 @@ class LevelRow:
     call then used (None: the verifier does not step ahead)."""
     ahead_dropped: float | None = None
     """Steps decided ahead and dropped, per token (wasted target rows)."""
+    proposal_share: float | None = None
+    """Of the tokens, accepted proposed drafts (``PIPE``; None for the other modes)."""
+    stale_proposals: float | None = None
+    """Proposals contradicted before a forward read them, per token (``PIPE``)."""
+    drafted_per_token: float | None = None
+    """Tokens the ``PIPE`` edges drafted per token, rolled-back and interrupted ones included: their
+    drafting work (None for the other modes, whose drafts ahead of a call are not counted)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,6 +175,9 @@ def level_row(mode: str, users: list[UserResult], metrics_delta: dict[str, float
         continued_share=_ratio(sum(user.num_continued for user in users), tokens) if mode != TARGET else None,
         ahead_share=_ratio(metrics_delta.get(AHEAD_USED), tokens) if mode != TARGET and AHEAD_USED in metrics_delta else None,
         ahead_dropped=_ratio(metrics_delta.get(AHEAD_DROPPED), tokens) if mode != TARGET and AHEAD_DROPPED in metrics_delta else None,
+        proposal_share=_ratio(metrics_delta.get(PIPE_PROPOSED), tokens) if mode.startswith(PIPE) else None,
+        drafted_per_token=_ratio(sum(user.num_drafted for user in users), tokens) if mode.startswith(PIPE) else None,
+        stale_proposals=_ratio(metrics_delta.get(PIPE_STALE), tokens) if mode.startswith(PIPE) else None,
     )
 
 
@@ -238,8 +253,8 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
     lines = [
         "| N | mode | aggregate tok/s | × target | user tok/s p50 | user tok/s p99 | TTFT p50 s | TTFT p99 s "
         "| verifier CPU s/tok | sessions/forward | rows/token | queue ms p50 | block | cut | continued | ahead used / dropped "
-        "| mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| proposed / stale | mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in sorted(rows, key=lambda r: (r.num_users, r.mode != TARGET, r.mode)):
         ratio = _ratio(row.aggregate_tok_s, target_rate.get(row.num_users))
@@ -249,7 +264,7 @@ def markdown_table(rows: list[LevelRow], user_tokens_per_s: float) -> str:
             f"| {row.user_tok_s_p99:.2f} | {_fmt(row.ttft_p50_s)} | {_fmt(row.ttft_p99_s)} | {_fmt(row.cpu_s_per_token, 3)} "
             f"| {_metric(row.sessions_per_forward)} | {_metric(row.rows_per_token)} | {_metric(row.queue_ms_p50, 0)} "
             f"| {_fmt(row.mean_block, 1)} | {row.num_cut if is_spade else '–'} | {_fmt(row.continued_share)} "
-            f"| {_ahead(row)} | {row.num_mismatches if is_spade else '–'} |"
+            f"| {_ahead(row)} | {_proposed(row)} | {row.num_mismatches if is_spade else '–'} |"
         )
     bounds = [f"N = {row.num_users}: {_fmt(prefill_bound(row))}×" for row in sorted(rows, key=lambda r: r.num_users) if row.mode == TARGET]
     if bounds:
@@ -267,6 +282,13 @@ def _ahead(row: LevelRow) -> str:
     if not row.ahead_share and not row.ahead_dropped:
         return "–"
     return f"{_fmt(row.ahead_share)} / {_fmt(row.ahead_dropped)}"
+
+
+def _proposed(row: LevelRow) -> str:
+    """Tokens from accepted proposals / stale proposals, per token; – off the pipelined wire."""
+    if row.proposal_share is None:
+        return "–"
+    return f"{_fmt(row.proposal_share)} / {_fmt(row.stale_proposals)}"
 
 
 def write_plots(rows: list[LevelRow], directory: Path, title: str = "") -> list[Path]:

@@ -18,7 +18,8 @@ weights, the output layer scaled so that greedy choices are clear of near-ties (
     capacity   synthetic sessions: random prompts, the target's own greedy output (the
                verifier's, one empty-block call per token), and draft proposals that equal the
                target's token with probability --acceptance (else another token); then N
-               emulated edges (``emulated_edge``, advice, and advice with continuation) and N target-only users
+               emulated edges (``emulated_edge``, advice, and advice with continuation; and on
+               the pipelined-session wire, ``pipelined_edge``: --modes) and N target-only users
                against one verifier, and the prefill-interference scenario
                (``capacity.levels``, ``capacity.prefill_interference``).
 

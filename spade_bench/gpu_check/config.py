@@ -78,6 +78,13 @@ class CheckConfig:
     ahead_lead_tokens: int = 0
     """The stepping verifier's edges draft this many more than their draft-length policy and the
     advice choose (``EdgePolicy.lead_tokens``)."""
+    modes: tuple[str, ...] = ("target", "spade+advice", "spade+continue", "spade+pipe")
+    """The capacity modes run on the shipped verifier (``spade_bench.capacity.report``); with
+    ``spade+pipe`` it serves the pipelined-session wire (``--pipelined-sessions``)."""
+    pipe_lead_tokens: int = 8
+    """The ``spade+pipe`` edges draft this far ahead of the decided tokens they have seen."""
+    pipe_proposal_every: int = 1
+    """The ``spade+pipe`` edges propose after this many new drafts."""
     shape_name: str = "qwen2.5-1.5b"
     """A key of ``SHAPES``; ``--tiny`` makes it ``tiny``."""
     parts: tuple[str, ...] = PARTS
@@ -115,6 +122,15 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     parser.add_argument(
         "--ahead-lead-tokens", type=int, default=0, help="the stepping verifier's edges draft this many more than they choose (default 0)"
     )
+    parser.add_argument(
+        "--modes",
+        default="target,spade+advice,spade+continue,spade+pipe",
+        help="comma list of capacity modes on the shipped verifier (default target,spade+advice,spade+continue,spade+pipe)",
+    )
+    parser.add_argument(
+        "--pipe-lead-tokens", type=int, default=8, help="spade+pipe edges draft this far ahead of what they saw (default 8)"
+    )
+    parser.add_argument("--pipe-proposal-every", type=int, default=1, help="spade+pipe edges propose after this many drafts (default 1)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma list of what runs (default {','.join(PARTS)})")
     parser.add_argument("--users", default="1,2,4,8,16,32", help="comma list of N (default 1,2,4,8,16,32)")
     parser.add_argument("--acceptance", type=float, default=0.7, help="chance a proposal is the target's token (default 0.7)")
@@ -141,6 +157,9 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
                 "rtt_ms": args.rtt_ms,
                 "ahead_lead_tokens": args.ahead_lead_tokens,
                 "parts": parse_parts(args.parts),
+                "modes": parse_modes(args.modes),
+                "pipe_lead_tokens": args.pipe_lead_tokens,
+                "pipe_proposal_every": args.pipe_proposal_every,
             }
         )
     )
@@ -167,3 +186,14 @@ def parse_parts(value: str) -> tuple[str, ...]:
     if unknown or not parts:
         raise SystemExit(f"--parts: {', '.join(unknown) or 'nothing'} is not one of {', '.join(PARTS)}")
     return parts
+
+
+def parse_modes(value: str) -> tuple[str, ...]:
+    from spade_bench.capacity.report import ADVICE, CONTINUE, PIPE, SPADE, TARGET
+
+    known = (TARGET, SPADE, ADVICE, CONTINUE, PIPE)
+    modes = tuple(mode.strip() for mode in value.split(",") if mode.strip())
+    unknown = sorted(set(modes) - set(known))
+    if unknown or not modes:
+        raise SystemExit(f"--modes: {', '.join(unknown) or 'nothing'} is not one of {', '.join(known)}")
+    return modes

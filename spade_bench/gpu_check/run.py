@@ -59,8 +59,9 @@ def pin_check_beside_verifiers(config: CheckConfig) -> tuple[int, ...]:
 def run_check(config: CheckConfig) -> dict:
     from spade_bench.capacity.emulated_edge import EdgePolicy
     from spade_bench.capacity.levels import LevelSetup, measure_levels, run_level
+    from spade_bench.capacity.pipelined_edge import PipelinePolicy
     from spade_bench.capacity.prefill_interference import InterferenceSetup, interference_table, measure_interference
-    from spade_bench.capacity.report import ADVICE, CONTINUE, TARGET, markdown_table
+    from spade_bench.capacity.report import CONTINUE, PIPE, TARGET, markdown_table
     from spade_bench.services import Service, start_service
     from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
 
@@ -91,7 +92,8 @@ def run_check(config: CheckConfig) -> dict:
         print(results.markdown())
         return results.report
     with contextlib.ExitStack() as services:
-        verifier = services.enter_context(start_service(verifier_spec(config, model_dir), 900))
+        pipelined = ("--pipelined-sessions", "true") if PIPE in config.modes else ()
+        verifier = services.enter_context(start_service(verifier_spec(config, model_dir, pipelined), 900))
         variants: tuple[tuple[str, Service], ...] = ()
         if config.step_ahead_tokens > 0:  # the continuous-sessions spike (Run T) beside the shipped verifier
             ahead = verifier_spec(config, model_dir, ("--step-ahead-tokens", str(config.step_ahead_tokens)), "-ahead")
@@ -101,16 +103,16 @@ def run_check(config: CheckConfig) -> dict:
         step("target outputs generated")
         # Levels a busy window apart: the next starts unsaturated (a shorter pause than the CPU
         # benchmark's, for the GPU's short lease).
-        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pause_s=BUSY_WINDOW_S)
+        pipeline = PipelinePolicy(config.pipe_lead_tokens, config.pipe_proposal_every)
+        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pipeline=pipeline, pause_s=BUSY_WINDOW_S)
         if "capacity" in config.parts:
             asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
-            # Edges ignoring the advice (Run K's "spade" rows) are left out for continuation's: the GPU's time is short.
             ahead_setup = replace(setup, policy=replace(setup.policy, lead_tokens=config.ahead_lead_tokens))
             rows = measure_levels(
                 verifier,
                 sessions,
                 config.users,
-                (TARGET, ADVICE, CONTINUE),
+                config.modes,
                 setup,
                 variants=variants,
                 variant_modes=(CONTINUE,),
@@ -120,7 +122,7 @@ def run_check(config: CheckConfig) -> dict:
                 {"rows": [row.to_dict() for row in rows]},
                 f"Capacity: {config.num_sessions} synthetic sessions of {config.prompt_tokens}-word prompts, {config.max_tokens} tokens, "
                 f"draft acceptance {config.acceptance}, drafting {config.draft_ms:g} ms/token, RTT {config.rtt_ms:g} ms, "
-                f"--max-batch-sessions {config.batch_sessions}, edges' draft length auto{lead_note(config)}:\n\n"
+                f"--max-batch-sessions {config.batch_sessions}, edges' draft length auto{lead_note(config)}{pipe_note(config)}:\n\n"
                 + markdown_table(rows, 1.0),
             )
             step("capacity levels run")
@@ -164,6 +166,14 @@ def lead_note(config: CheckConfig) -> str:
     if not config.ahead_lead_tokens or not config.step_ahead_tokens:
         return ""
     return f" (the stepping verifier's edges drafting {config.ahead_lead_tokens} more than they choose)"
+
+
+def pipe_note(config: CheckConfig) -> str:
+    from spade_bench.capacity.report import PIPE
+
+    if PIPE not in config.modes:
+        return ""
+    return f"; spade+pipe edges drafting up to {config.pipe_lead_tokens} ahead, proposing every {config.pipe_proposal_every}"
 
 
 def _shape_name(config: CheckConfig) -> str:

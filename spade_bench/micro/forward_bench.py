@@ -239,6 +239,12 @@ def prefill_table(seconds: dict[str, float], num_rows: int, sizes: LinearSizes, 
     return "\n".join(lines)
 
 
+NUMERICS_CONTEXT = 128
+"""The numerics check's context, at most: it prefills it anew for every variant and block size
+(with the real 1.5B, ``--compare-source`` and a 1000-token context, that was over half an hour
+after the timings); row invariance and the distance from stock do not depend on its length."""
+
+
 def check_numerics(bench: ForwardBench, context_length: int, row_counts: list[int]) -> list[str]:
     """Per ISA: bitwise row invariance of the batch-invariant mode, and the kernels' distance from stock."""
     prefix = bench.random_tokens(context_length)
@@ -448,7 +454,8 @@ def main(argv: list[str] | None = None) -> None:
             run_prefills(bench, min(context_lengths), kernel_modes, args.prefill_rows, args.prefill_repeats) if args.prefill_rows else {}
         )
         breakdowns = breakdown_lines(bench, max(context_lengths), modes, args.breakdown)
-        checks = check_numerics(bench, min(context_lengths), [int(v) for v in args.check_blocks.split(",")]) if args.check_blocks else []
+        block_sizes = [int(v) for v in args.check_blocks.split(",")] if args.check_blocks else []
+        checks = check_numerics(bench, min(*context_lengths, NUMERICS_CONTEXT), block_sizes) if block_sizes else []
     sizes = LinearSizes.of(loaded.model)
     report = "\n\n".join(
         part

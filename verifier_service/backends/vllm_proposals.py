@@ -24,7 +24,7 @@ ids. ``SessionProposer`` reads the rows' request ids from the runner that calls 
 ``input_batch.req_ids``, found once from the frame that calls ``load_model``): two sessions with the
 same prompt are two request ids and never swap proposals.
 
-Alignment (``aligned_proposal``, pure): a proposal starts at the position its edge had decided when
+Alignment (``spade_core.proposals.aligned_proposal``, pure): a proposal starts at the position its edge had decided when
 it drafted; by the time a step reads it the request may stand further on. The part the request has
 passed is compared with the request's own tokens there (bounded by ``max_tokens``, never the
 context): a contradicted proposal is dropped (the request decodes one token as target-only would),
@@ -41,11 +41,12 @@ import mmap
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from spade_core.proposals import Proposal, aligned_proposal
 
 BOARD_ENV = "SPADE_PROPOSAL_BOARD"
 """The environment variable that gives ``SessionProposer`` the board's path (vLLM gives the class
@@ -60,25 +61,6 @@ def slot_dtype(max_tokens: int) -> np.dtype:
         [("seq", "<u8"), ("key", f"S{KEY_BYTES}"), ("start", "<i8"), ("count", "<i4"), ("pad", "<i4"), ("tokens", "<i4", (max_tokens,))],
         align=True,
     )
-
-
-@dataclass(frozen=True)
-class Proposal:
-    start: int
-    """The position of its first token (absolute: the prompt's first token is position 0)."""
-    token_ids: np.ndarray
-
-
-def aligned_proposal(row_tokens: np.ndarray, num_tokens: int, proposal: Proposal, limit: int) -> list[int]:
-    """The proposal's next tokens (at most ``limit``) for a request whose tokens are
-    ``row_tokens[:num_tokens]``: [] when the proposal starts past the request (a gap), when the
-    request has passed all of it, or when the part it has passed contradicts the request's tokens."""
-    passed = num_tokens - proposal.start
-    if passed < 0 or passed >= len(proposal.token_ids) or limit <= 0:
-        return []
-    if passed and not np.array_equal(row_tokens[proposal.start : num_tokens], proposal.token_ids[:passed]):
-        return []
-    return [int(token) for token in proposal.token_ids[passed : passed + limit]]
 
 
 class ProposalBoard:
