@@ -58,14 +58,26 @@ def test_the_gpu_check_runs_end_to_end_on_a_cpu_with_a_tiny_model(tmp_path):
     assert ragged == {(m, r, s) for m in ("fast", "packed") for r in (1, 2, 4, 8) for s in (1, 4)}
     assert all(cost["ms"] > 0 for cost in report["ragged_ms"])
     rows = {(row["mode"], row["num_users"]): row for row in report["rows"]}
-    modes = ("target", "spade+advice", "spade+continue", "spade+continue@ahead")  # @ahead: a verifier stepping ahead beside
+    # @ahead: a verifier stepping ahead beside; spade+pipe: edges on the pipelined-session wire
+    modes = ("target", "spade+advice", "spade+continue", "spade+continue@ahead", "spade+pipe")
     assert set(rows) == {(mode, n) for mode in modes for n in (1, 2)}
+    assert all(rows["spade+pipe", n]["proposal_share"] is not None for n in (1, 2))
     assert all(row["num_mismatches"] == 0 for row in report["rows"])
     assert all(row["tokens"] == 12 * row["num_users"] for row in report["rows"])
     assert report["prefill_interference"]["num_mismatches"] == 0
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "| rows | float32 ms | × one row |" in markdown
     assert "| rows | fast, 1 sess. ms | fast, 4 sess. ms | packed, 1 sess. ms |" in markdown
+
+
+def test_the_capacity_modes_and_the_pipelined_edges_reach_the_check_config():
+    from spade_bench.gpu_check import parse_args
+
+    config = parse_args(["--modes", "target,spade+pipe", "--pipe-lead-tokens", "4", "--pipe-proposal-every", "2"])
+    assert (config.modes, config.pipe_lead_tokens, config.pipe_proposal_every) == (("target", "spade+pipe"), 4, 2)
+    assert parse_args([]).modes == ("target", "spade+advice", "spade+continue", "spade+pipe")
+    with pytest.raises(SystemExit, match="spade\\+fast"):
+        parse_args(["--modes", "target,spade+fast"])
 
 
 def test_the_host_bound_shape_and_the_verifier_cores_reach_the_check_config():
