@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import os
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -128,7 +129,10 @@ def settings_from_arguments(
     settings_class: type[SettingsT],
 ) -> SettingsT:
     """Flags given on the command line override the environment, which overrides defaults;
-    pydantic validates and converts all of them (a bad value exits with the parser's usage)."""
+    pydantic validates and converts all of them (a bad value exits with the parser's usage). A
+    removed setting still in the environment exits too, naming its replacement."""
+    if problems := removed_environment(settings_class, os.environ):
+        parser.error("; ".join(problems))
     try:
         return settings_class(**vars(arguments))
     except ValidationError as error:
@@ -156,12 +160,49 @@ class QuietAccessLog(logging.Filter):
         return not ((path in self.paths or path.endswith(self.endings)) and isinstance(status, int) and status < 400)
 
 
+def removed_settings(settings_class: type[BaseSettings]) -> Mapping[str, str]:
+    """The settings a class once had, each with what replaced it (``REMOVED_SETTINGS`` on the
+    class; CHANGELOG.md says when each went)."""
+    return getattr(settings_class, "REMOVED_SETTINGS", {})
+
+
+class RemovedFlag(argparse.Action):
+    """A flag that went: giving it (with or without a value) exits with what replaced it, not
+    argparse's "unrecognized arguments", so a script written for an earlier version says what
+    to change. Hidden from --help."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.replacement = replacement
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None
+    ) -> None:
+        parser.error(f"{option_string} was removed: {self.replacement}")
+
+
+def add_removed_arguments(parser: argparse.ArgumentParser, settings_class: type[BaseSettings]) -> None:
+    for name, replacement in removed_settings(settings_class).items():
+        parser.add_argument(flag_name(name), action=RemovedFlag, replacement=replacement)
+
+
+def removed_environment(settings_class: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """One message per removed setting still set in the environment (pydantic ignores an env var
+    it has no field for: without this, a deployment's old variable would silently do nothing)."""
+    return [
+        f"{env_var_name(settings_class, name)} was removed: {replacement}"
+        for name, replacement in removed_settings(settings_class).items()
+        if env_var_name(settings_class, name) in environ
+    ]
+
+
 def service_parser(prog: str, description: str, settings_class: type[BaseSettings]) -> argparse.ArgumentParser:
     """A service's command line: --version, then its settings as flags, user-facing ones first."""
     # The usage line names no flag: listing all forty would bury the user-facing group below it.
     parser = argparse.ArgumentParser(prog=prog, usage="%(prog)s [options]", description=plain_text(description))
     add_version_argument(parser)
     add_settings_arguments(parser, settings_class)
+    add_removed_arguments(parser, settings_class)
     return parser
 
 

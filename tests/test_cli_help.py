@@ -301,6 +301,45 @@ def test_the_verifiers_draft_length_limit_has_one_spelling(capsys):
     assert "unrecognized arguments: --max-draft-tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arguments", [["--batch-hold-rule", "fraction"], ["--batch-hold-fraction=0.25"], ["--batch-hold-rule"]])
+def test_a_removed_flag_exits_naming_what_replaced_it(arguments, capsys):
+    from gateway.cli import service_parser
+    from verifier_service.settings import VerifierSettings
+
+    parser = service_parser("spade-verifier", "", VerifierSettings)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--port", "9000", *arguments])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{arguments[0].split('=')[0]} was removed: " in error and "--batch-hold-scale" in error
+    assert "--batch-hold-rule" not in parser.format_help()  # hidden from --help
+
+
+def test_a_removed_setting_in_the_environment_exits_naming_what_replaced_it(monkeypatch, capsys):
+    from gateway.cli import service_parser, settings_from_arguments
+    from verifier_service.settings import VerifierSettings
+
+    parser = service_parser("spade-verifier", "", VerifierSettings)
+    monkeypatch.setenv("SPADE_VERIFIER_BATCH_HOLD_FRACTION", "0.5")
+    with pytest.raises(SystemExit):
+        settings_from_arguments(parser, parser.parse_args([]), VerifierSettings)
+    assert "SPADE_VERIFIER_BATCH_HOLD_FRACTION was removed: " in capsys.readouterr().err
+    monkeypatch.delenv("SPADE_VERIFIER_BATCH_HOLD_FRACTION")
+    assert settings_from_arguments(parser, parser.parse_args([]), VerifierSettings).batch_hold_scale == 1.0
+
+
+def test_every_removed_setting_is_in_the_change_log():
+    from edge_agent.settings import EdgeSettings
+    from gateway.cli import flag_name, removed_settings
+    from verifier_service.settings import VerifierSettings
+
+    change_log = (ROOT / "CHANGELOG.md").read_text()
+    for settings_class in (VerifierSettings, EdgeSettings):
+        for name in removed_settings(settings_class):
+            assert name not in settings_class.model_fields
+            assert f"`{flag_name(name)}`" in change_log, name
+
+
 @pytest.mark.parametrize("field", ["host", "port", "device", "dtype", "threads", "gguf_file"])
 @pytest.mark.parametrize("prefix", ["SPADE_VERIFIER_", "SPADE_EDGE_"])
 def test_the_shared_settings_keep_each_services_env_var(monkeypatch, field, prefix):

@@ -522,16 +522,14 @@ def _alternating_edges(limits: SchedulerLimits, gaps_s: tuple[float, ...] = (0.0
 def test_holding_a_forward_lets_two_edges_share_their_forwards():
     # Without holding, each edge's call arrives while the other's forward runs: they alternate,
     # one session per forward. Holding for a session due within the forward's fixed part (here
-    # all of its 150 ms) merges them after the first rounds; so does the rule before it, holding
-    # up to half a forward.
+    # all of its 150 ms) merges them after the first rounds.
     alternating = _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_scale=0.0))
     assert alternating.count(2) <= 2
-    for rule in ("cost", "fraction"):
-        held = _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_rule=rule, hold_fraction=0.5))
-        assert sum(held) == sum(alternating) == 16
-        # Once both edges' gaps are learnt (three forwards), every forward serves both, until the
-        # edge that started first makes its last call alone.
-        assert held.count(2) >= 5, rule
+    held = _alternating_edges(SchedulerLimits(max_batch_sessions=4))
+    assert sum(held) == sum(alternating) == 16
+    # Once both edges' gaps are learnt (three forwards), every forward serves both, until the
+    # edge that started first makes its last call alone.
+    assert held.count(2) >= 5
 
 
 def test_a_session_a_little_late_after_its_mean_gap_is_still_waited_for():
@@ -831,10 +829,6 @@ def test_beside_continued_sessions_a_forward_waits_for_an_edge_only_while_that_c
     assert sum("b" in sessions for sessions in near) >= 0.8 * len(near), near
     far = _forwards_beside_continued_sessions(0.05)
     assert sum("b" not in sessions for sessions in far) >= 0.35 * len(far), far
-
-
-def test_the_fraction_rule_at_zero_never_holds():
-    assert _alternating_edges(SchedulerLimits(max_batch_sessions=4, hold_rule="fraction", hold_fraction=0.0)).count(2) <= 2
 
 
 # --- the service: metrics and timings -------------------------------------------------------------------

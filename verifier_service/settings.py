@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -20,6 +22,15 @@ if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and 
 
 class VerifierSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="SPADE_VERIFIER_", protected_namespaces=())
+
+    REMOVED_SETTINGS: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "batch_hold_rule": "forwards hold for sessions due soon by the cost rule alone; --batch-hold-scale scales it (0: never hold).",
+            "batch_hold_fraction": "the fraction rule went; forwards hold by the cost rule, scaled by --batch-hold-scale (0: never hold).",
+        }
+    )
+    """Settings that went, each with what replaced it (CHANGELOG.md): their flags and env vars exit
+    with that message."""
 
     model: str = Field("qwen2.5-coder-1.5b-instruct", description="Target model: HF id, local directory, .gguf path or spade-models name.")
     served_model_name: str | None = Field(
@@ -115,28 +126,13 @@ class VerifierSettings(ServiceSettings):
         description="--backend transformers: shortest wait for more sessions before a forward runs while the target is idle.",
         json_schema_extra={"advanced": True},
     )
-    batch_hold_rule: Literal["cost", "fraction"] = Field(
-        "cost",
-        description=(
-            "--backend transformers: when a forward waits for sessions whose next call is due soon (learnt per session), so"
-            " many edges' calls share forwards: cost = while the wait costs less than the forward's fixed part it saves"
-            " (scaled by --batch-hold-scale); fraction = for sessions due within --batch-hold-fraction of its expected time."
-        ),
-        json_schema_extra={"advanced": True},
-    )
     batch_hold_scale: float = Field(
         1.0,
         ge=0,
-        description="--backend transformers, --batch-hold-rule cost: multiplies the wait the rule allows; 0 = never hold.",
-        json_schema_extra={"advanced": True},
-    )
-    batch_hold_fraction: float = Field(
-        0.25,
-        ge=0,
-        le=1,
         description=(
-            "--backend transformers, --batch-hold-rule fraction: a forward waits up to this fraction of its expected time"
-            " for a session whose next call is due within it; 0 = never hold."
+            "--backend transformers: a forward waits for sessions whose next call is due soon (learnt per session) while"
+            " the wait costs less than the forward's fixed part it saves, so many edges' calls share forwards; this"
+            " multiplies the wait that allows; 0 = never hold."
         ),
         json_schema_extra={"advanced": True},
     )
@@ -292,9 +288,7 @@ class VerifierSettings(ServiceSettings):
             max_forward_rows=self.max_forward_rows,
             max_block_rows=self.max_draft_length + 1,
             batch_wait_s=self.batch_wait_ms / 1000.0,
-            hold_rule=self.batch_hold_rule,
             hold_scale=self.batch_hold_scale,
-            hold_fraction=self.batch_hold_fraction,
             hold_late_deviations=self.batch_hold_late_deviations,
             max_draft_length=self.max_draft_length,
         )

@@ -27,10 +27,8 @@ with no round trip and teach no gap; the scheduler yields to the event loop befo
 forward, so such a step, submitted the moment its session is answered, joins the next forward.
 When a forward is about to start, it waits for the sessions not yet queued that are due soon
 while ``hold.latest_worth_holding`` says the expected wait costs less than merging the forwards
-saves (``hold_rule`` "cost", scaled by ``hold_scale``; queued continued steps are ``returning``:
-their sessions come back at once), or, with ``hold_rule`` "fraction", for
-those due within ``hold_fraction`` of the forward's expected time: N edges' calls then meet in
-one forward instead of alternating. A session held for is awaited a little past its expected
+saves (scaled by ``hold_scale``; queued continued steps are ``returning``: their sessions come
+back at once): N edges' calls then meet in one forward instead of alternating. A session held for is awaited a little past its expected
 time (``hold_late_deviations`` of its gaps' spread, at most a one-row forward): an edge's gap
 varies with its block length, and one that came 10 ms late after its mean would otherwise find
 the forward gone and fall out of phase. The forward cost t(R) both the hold rule and the advice
@@ -92,7 +90,6 @@ GAP_DECAY = 0.7
 """Weight of the earlier gaps in a session's expected gap between answer and next call."""
 TYPICAL_GAP_DECAY = 0.9
 """The same for the gap of all sessions together (a session's guess until it has gaps of its own)."""
-HOLD_RULES = ("cost", "fraction")
 
 
 @dataclass(frozen=True)
@@ -105,14 +102,10 @@ class SchedulerLimits:
     """The largest need treated as one block (the verifier's longest draft + 1)."""
     batch_wait_s: float = 0.0
     """While the target is idle, how long the oldest call waits for company at least."""
-    hold_rule: str = "cost"
-    """"cost": hold while the wait costs less than the forward's fixed part it saves
-    (``hold.hold_is_worth``); "fraction": for sessions due within ``hold_fraction`` of the
-    forward's expected time (the rule before; kept to compare)."""
     hold_scale: float = 1.0
-    """The "cost" rule's allowed wait is multiplied by this (0: never hold)."""
-    hold_fraction: float = 0.25
-    """The "fraction" rule: a forward waits up to this fraction of its expected time."""
+    """A forward holds for sessions due soon while the wait costs less than the forward's fixed
+    part it saves (``hold.latest_worth_holding``); the wait that allows is multiplied by this
+    (0: never hold)."""
     hold_late_deviations: float = 2.0
     """A session held for may come this many of its gaps' mean deviations after its expected
     time (at most a one-row forward's time) and still be waited for; 0: only until then."""
@@ -122,10 +115,8 @@ class SchedulerLimits:
     def __post_init__(self) -> None:
         if self.max_batch_sessions < 1 or self.max_forward_rows < 1 or self.max_block_rows < 1:
             raise ValueError("scheduler limits must be positive")
-        if self.batch_wait_s < 0 or not 0 <= self.hold_fraction <= 1:
-            raise ValueError("batch_wait_s must be >= 0 and hold_fraction within [0, 1]")
-        if self.hold_rule not in HOLD_RULES or self.hold_scale < 0 or self.hold_late_deviations < 0:
-            raise ValueError(f"hold_rule must be one of {', '.join(HOLD_RULES)}, hold_scale and hold_late_deviations >= 0")
+        if self.batch_wait_s < 0 or self.hold_scale < 0 or self.hold_late_deviations < 0:
+            raise ValueError("batch_wait_s, hold_scale and hold_late_deviations must be >= 0")
 
 
 @dataclass
@@ -624,16 +615,16 @@ class Scheduler:
             if session_id not in queued and (arrival := pace.arrival(now, self._typical_gap, late_deviations, max_late_s)) is not None
         ]
         due = [(arrival.expected_s, pace.rows, expected_tokens(pace.acceptance.alpha, pace.drafted)) for arrival, pace in arrivals]
-        if self.limits.hold_rule == "fraction":
-            window = self.limits.hold_fraction * cost.seconds(rows)
-            wait_s = max((wait for wait, _, _ in due if wait <= window), default=None)
-        else:
-            saturated = self._saturation.is_saturated
-            tokens = sum(self._expected_tokens(call, need) for call, need in needs)
-            returning = sum(call.block.continued_step for call in self._queue)  # their next step comes at once: one row
-            wait_s = latest_worth_holding(
-                due, cost, Sessions(len(queued), rows, tokens), saturated, self.limits.hold_scale, Sessions(returning, returning)
-            )
+        tokens = sum(self._expected_tokens(call, need) for call, need in needs)
+        returning = sum(call.block.continued_step for call in self._queue)  # their next step comes at once: one row
+        wait_s = latest_worth_holding(
+            due,
+            cost,
+            Sessions(len(queued), rows, tokens),
+            self._saturation.is_saturated,
+            self.limits.hold_scale,
+            Sessions(returning, returning),
+        )
         if wait_s is None:
             return None
         return now + max(arrival.latest_s for arrival, _ in arrivals if arrival.expected_s <= wait_s)
