@@ -34,15 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from edge_agent.tuning import TUNING
 from spade_core.block_yield import expected_tokens
-
-DEFAULT_RELATIVE_SLOPE = 0.1
-"""Before two draft lengths have been timed, each drafted token is assumed to add this fraction
-of a one-token verify (what a CPU target showed before its kernels packed their weights; it now
-adds less, as a GPU target does: docs/benchmarks.md, "Component measurements"; the learned line
-replaces it)."""
-MAX_POINT_WEIGHT = 20
-"""A draft length's weight in the line fit stops growing after this many observations."""
 
 
 def overlap_hit_probability(acceptance_rate: float, num_drafted: int) -> float:
@@ -79,9 +72,9 @@ class VerifyTimeCurve:
     """t_verify(d): the verifier's time for a block of d drafted tokens, learned per length
     (moving averages) and read off a weighted least-squares line through them."""
 
-    prior_s: float = 0.05
+    prior_s: float = TUNING.verify_s_prior
     """t_verify(1) until something is measured."""
-    smoothing: float = 0.2
+    smoothing: float = TUNING.smoothing
     points: dict[int, tuple[float, int]] = field(default_factory=dict)
     """draft length -> (moving average of its seconds, observations)."""
 
@@ -100,7 +93,7 @@ class VerifyTimeCurve:
         if len(self.points) == 1:
             ((length, (average, _)),) = self.points.items()
             return self._through(length, average)
-        weights = {length: min(count, MAX_POINT_WEIGHT) for length, (_, count) in self.points.items()}
+        weights = {length: min(count, TUNING.max_point_weight) for length, (_, count) in self.points.items()}
         total = sum(weights.values())
         mean_d = sum(weight * length for length, weight in weights.items()) / total
         mean_t = sum(weights[length] * average for length, (average, _) in self.points.items()) / total
@@ -112,8 +105,8 @@ class VerifyTimeCurve:
     @staticmethod
     def _through(length: int, seconds: float) -> tuple[float, float]:
         """A line through one point with the default relative slope: t(d) = t(1) * (1 + s (d - 1))."""
-        one_token_s = seconds / (1 + DEFAULT_RELATIVE_SLOPE * (length - 1))
-        slope = DEFAULT_RELATIVE_SLOPE * one_token_s
+        one_token_s = seconds / (1 + TUNING.relative_slope_prior * (length - 1))
+        slope = TUNING.relative_slope_prior * one_token_s
         return one_token_s - slope, slope
 
 
@@ -169,16 +162,16 @@ class AdaptiveDraftLength:
     max_length: int = 16
     overlap: bool = False
     """Whether the engine drafts ahead while a block is verified (changes the cost model)."""
-    smoothing: float = 0.2
+    smoothing: float = TUNING.smoothing
     """Weight of the newest observation in a request's moving averages."""
-    prior_smoothing: float = 0.05
+    prior_smoothing: float = TUNING.prior_smoothing
     """Weight of each block in the acceptance prior carried across requests."""
-    prior_trials: float = 2.0
+    prior_trials: float = TUNING.prior_trials
     """How many blocks' worth of trials the prior counts for in a new request's estimate."""
-    initial_acceptance: float = 0.7
+    initial_acceptance: float = TUNING.acceptance_prior
     """The acceptance prior before any block was verified."""
-    draft_s_per_token: float = 0.02
-    link_s: float = 0.005
+    draft_s_per_token: float = TUNING.draft_s_per_token_prior
+    link_s: float = TUNING.link_s_prior
     verify_curve: VerifyTimeCurve = field(default_factory=VerifyTimeCurve)
     prior_accepted: float = field(init=False)
     prior_trials_per_block: float = field(init=False)

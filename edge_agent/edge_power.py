@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from edge_agent.tuning import TUNING
+
 EdgePower = Literal["performance", "balanced", "saver"]
 
 DEFAULT_EDGE_POWER: EdgePower = "performance"
@@ -36,16 +38,12 @@ the behaviour before the setting existed); ``saver`` never drafts ahead past the
 prefill (which costs nothing extra: the draft must prefill the prompt anyway). ``balanced``
 drafts ahead where a CPU-second buys at least half a second of wait (docs/design.md, "Edge power")."""
 
-PENDING_FORWARD_SHARE = 0.5
-"""On a miss the forward still running when the verdict lands delays the next block by, on
-average, half a draft forward (the drafting thread cannot be interrupted mid-forward)."""
-
 
 def expected_saving_per_cpu_s(hit_probability: float, num_ahead: int) -> float:
     """Wall seconds saved per CPU-second spent by drafting ``num_ahead`` tokens ahead (the guess,
     then ``num_ahead - 1`` tokens of the next block), per unit of draft time t:
 
-        saving = h (L - 1) t - (1 - h) PENDING_FORWARD_SHARE t      cpu = L t
+        saving = h (L - 1) t - (1 - h) TUNING.pending_forward_share t      cpu = L t
 
     On a hit (probability h) the L - 1 tokens after the guess start the next block and are not
     drafted in line (the guess itself only confirms the target's next token); on a miss all L
@@ -54,7 +52,7 @@ def expected_saving_per_cpu_s(hit_probability: float, num_ahead: int) -> float:
     -> (2.0 - 0.3) / 6 = 0.28 s saved per CPU-second; h = 0.7, L = 6 -> 0.56."""
     if num_ahead < 1:
         return 0.0
-    saving = hit_probability * (num_ahead - 1) - (1.0 - hit_probability) * PENDING_FORWARD_SHARE
+    saving = hit_probability * (num_ahead - 1) - (1.0 - hit_probability) * TUNING.pending_forward_share
     return saving / num_ahead
 
 
@@ -66,12 +64,12 @@ class DraftAheadPolicy:
     prior a request starts from. Each request asks its own ``for_request()``."""
 
     power: EdgePower = DEFAULT_EDGE_POWER
-    smoothing: float = 0.2
-    draft_s_per_token: float = 0.02
-    round_trip_s: float = 0.1
+    smoothing: float = TUNING.smoothing
+    draft_s_per_token: float = TUNING.draft_s_per_token_prior
+    round_trip_s: float = TUNING.round_trip_s_prior
     """A block's verify round trip (link + verifier), block-only calls."""
-    acceptance_prior: float = 0.7
-    guess_rate: float = 0.7
+    acceptance_prior: float = TUNING.acceptance_prior
+    guess_rate: float = TUNING.guess_rate_prior
     """Share of full acceptances whose next token was the draft's guess (measured where one was drafted)."""
 
     def __post_init__(self) -> None:

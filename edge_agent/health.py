@@ -12,14 +12,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from edge_agent.tuning import TUNING
 from edge_agent.verifier_client import VerifierClient, VerifierState
-
-PROBE_TTL_S = 1.5
-PROBE_TIMEOUT_S = 1.0
 
 
 class VerifierProbe:
-    def __init__(self, client: VerifierClient, ttl_s: float = PROBE_TTL_S, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(self, client: VerifierClient, ttl_s: float = TUNING.probe_ttl_s, timeout_s: float = TUNING.probe_timeout_s) -> None:
         self._client = client
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s

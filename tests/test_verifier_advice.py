@@ -11,7 +11,6 @@ import random
 import pytest
 
 from verifier_service.backends.transformers.advice import (
-    DEPARTURE_MARGIN,
     AcceptanceRate,
     BusyFraction,
     CostLine,
@@ -27,6 +26,7 @@ from verifier_service.backends.transformers.advice import (
     plan_load,
     row_price,
 )
+from verifier_service.tuning import TUNING
 from verifier_support import (
     MAX_DRAFT,
     committed_after,
@@ -281,9 +281,9 @@ def test_the_departure_is_the_fastest_plan_on_explicit_timelines():
         best = max(range(1, 33), key=leaving)
         chosen = departure_length(alpha, away, cost, load, 32)
         if chosen == 0:
-            assert leaving(best) <= (1 + DEPARTURE_MARGIN) * staying * (1 + 1e-9)
+            assert leaving(best) <= (1 + TUNING.departure_margin) * staying * (1 + 1e-9)
         else:
-            assert leaving(chosen) > (1 + DEPARTURE_MARGIN) * staying and leaving(chosen) >= leaving(best) * (1 - 1e-9)
+            assert leaving(chosen) > (1 + TUNING.departure_margin) * staying and leaving(chosen) >= leaving(best) * (1 - 1e-9)
 
 
 def test_acceptance_counts_the_rejected_draft_and_forgets_slowly():

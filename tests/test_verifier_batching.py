@@ -25,7 +25,8 @@ from verifier_service.backends.growing_cache import GrowingLayer, growing_cache
 from verifier_service.backends.transformers.backend import TransformersBackend
 from verifier_service.backends.transformers.ragged import RaggedCache, packed_causal_mask, ragged_forward, register_ragged_attention
 from verifier_service.backends.transformers.runner import Share
-from verifier_service.backends.transformers.scheduler import MIN_CHUNK_ROWS, PendingCall, SchedulerLimits, plan_forward
+from verifier_service.backends.transformers.scheduler import PendingCall, SchedulerLimits, plan_forward
+from verifier_service.tuning import TUNING
 from verifier_support import (
     committed_after,
     new_session_id,
@@ -338,9 +339,9 @@ def test_a_forward_takes_the_oldest_calls_and_at_most_one_per_session():
 def test_blocks_go_first_and_a_long_prompt_gets_the_rest_of_the_row_budget_as_a_chunk():
     queue = [_call("p", 300), _call("a", 9), _call("b", 9), _call("q", 200)]
     assert _planned(queue, max_forward_rows=64, max_block_rows=9) == [("a", 9), ("b", 9), ("p", 46)]
-    # With little room, MIN_CHUNK_ROWS are kept for the prompt: only the first block runs beside it.
-    assert _planned(queue, max_forward_rows=MIN_CHUNK_ROWS, max_block_rows=9) == [("a", 9), ("p", MIN_CHUNK_ROWS - 9)]
-    assert _planned(queue, max_forward_rows=MIN_CHUNK_ROWS + 9, max_block_rows=9) == [("a", 9), ("p", MIN_CHUNK_ROWS)]
+    # With little room, TUNING.min_chunk_rows are kept for the prompt: only the first block runs beside it.
+    assert _planned(queue, max_forward_rows=TUNING.min_chunk_rows, max_block_rows=9) == [("a", 9), ("p", TUNING.min_chunk_rows - 9)]
+    assert _planned(queue, max_forward_rows=TUNING.min_chunk_rows + 9, max_block_rows=9) == [("a", 9), ("p", TUNING.min_chunk_rows)]
 
 
 def test_a_long_prompt_keeps_a_place_among_as_many_blocks_as_a_forward_takes():
@@ -357,7 +358,7 @@ def test_after_a_big_chunk_the_blocks_get_the_next_forward_nearly_to_themselves(
     queue = [_call("p", 300), _call("a", 9), _call("b", 9)]
     assert _planned(queue, max_forward_rows=64, max_block_rows=9) == [("a", 9), ("b", 9), ("p", 46)]
     after = plan_forward(queue, _need, SchedulerLimits(max_forward_rows=64, max_block_rows=9), after_chunk=True)
-    assert [(call.block.session_id, rows) for call, rows in after] == [("a", 9), ("b", 9), ("p", MIN_CHUNK_ROWS)]
+    assert [(call.block.session_id, rows) for call, rows in after] == [("a", 9), ("b", 9), ("p", TUNING.min_chunk_rows)]
     alone = plan_forward(queue[:1], _need, SchedulerLimits(max_forward_rows=64, max_block_rows=9), after_chunk=True)
     assert [(call.block.session_id, rows) for call, rows in alone] == [("p", 64)]  # no block waits: the whole budget
 

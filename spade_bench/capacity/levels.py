@@ -56,11 +56,11 @@ from spade_bench.capacity.report import (
 )
 from spade_bench.capacity.sessions import RecordedSession
 from spade_bench.services import Service, parse_prometheus
-from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
+from verifier_service.tuning import TUNING
 
-QUIET_PAUSE_S = 2 * BUSY_WINDOW_S
+QUIET_PAUSE_S = 2 * TUNING.busy_window_s
 """A pause after which the verifier's busy fraction has decayed to about a tenth (its saturation
-is judged over an exponential window of BUSY_WINDOW_S): a level after it starts unsaturated."""
+is judged over an exponential window of TUNING.busy_window_s): a level after it starts unsaturated."""
 
 METRIC_NAMES = (
     "process_cpu_seconds_total",

@@ -63,7 +63,7 @@ def run_check(config: CheckConfig) -> dict:
     from spade_bench.capacity.prefill_interference import InterferenceSetup, interference_table, measure_interference
     from spade_bench.capacity.report import CONTINUE, PIPE, TARGET, markdown_table
     from spade_bench.services import Service, start_service
-    from verifier_service.backends.transformers.advice import BUSY_WINDOW_S
+    from verifier_service.tuning import TUNING
 
     config.output_dir.mkdir(parents=True, exist_ok=True)
     step = _stepper(time.perf_counter())
@@ -104,7 +104,7 @@ def run_check(config: CheckConfig) -> dict:
         # Levels a busy window apart: the next starts unsaturated (a shorter pause than the CPU
         # benchmark's, for the GPU's short lease).
         pipeline = PipelinePolicy(config.pipe_lead_tokens, config.pipe_proposal_every)
-        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pipeline=pipeline, pause_s=BUSY_WINDOW_S)
+        setup = LevelSetup(config.rtt_ms / 1e3, EdgePolicy("auto", 16), pipeline=pipeline, pause_s=TUNING.busy_window_s)
         if "capacity" in config.parts:
             asyncio.run(run_level(verifier.url, TARGET, sessions[:1], 1, setup))  # warms the target-only route up, unrecorded
             ahead_setup = replace(setup, policy=replace(setup.policy, lead_tokens=config.ahead_lead_tokens))

@@ -49,39 +49,9 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from spade_core.block_yield import expected_tokens
+from verifier_service.tuning import TUNING
 
 K = TypeVar("K")
-
-ACCEPTANCE_PRIOR = 0.6
-"""A new session's acceptance rate, worth PRIOR_WEIGHT drafted tokens of evidence."""
-PRIOR_WEIGHT = 4.0
-ACCEPTANCE_DECAY = 0.9
-"""Per verified block, the weight of what came before (recent blocks count most)."""
-CURVE_DECAY = 0.8
-"""Per forward of a row count, the weight of earlier forwards of that row count in t(R)."""
-EXACT_ROWS = 32
-"""Row counts t(R) keeps apart; longer forwards are filed by multiples of 8 rows."""
-MAX_POINT_AGE = 500
-"""A row count not seen in this many forwards leaves t(R) (the machine's speed may have changed
-since), unless fewer than two would remain."""
-SATURATION = 0.85
-"""Busy fraction of the recent past at which the verifier becomes saturated."""
-UNSATURATION = 0.7
-"""Busy fraction below which a saturated verifier is no longer so. Between the two it stays as it
-was: under load each forward is followed by a gap of HTTP and answering (idle for the target),
-which puts the fraction near SATURATION, and without this band the advice flickered between the
-saturated lengths and the verifier's limit (measured at N = 16: 91 of 244 calls advised 64, and
-edges sent blocks of 16 into a saturated verifier)."""
-GAP_LINE_DECAY = 0.95
-"""Per observed gap, the weight of the earlier ones in ``TimeAway``'s line."""
-DEPARTURE_MARGIN = 0.05
-"""How much more per second a continued session's departure must commit than its staying
-(``departure_length``): what the timeline leaves out, the call's handling on the core the
-forwards run on, a hold it may cause, the measured curve's noise at the knee. Without it (and
-with one forward missed whatever the block), N = 8 on this CPU fell to 0.88x target-only:
-sessions left for gains the timeline put at 0.5-1 % (docs/runs/run-n.md)."""
-BUSY_WINDOW_S = 4.0
-"""The recent past the busy fraction is measured over (an exponential window of this scale)."""
 
 
 @dataclass
@@ -89,13 +59,13 @@ class AcceptanceRate:
     """A session's alpha: accepted drafted tokens over tokens the target judged (every accepted
     one, plus the rejected one where a block stopped short), exponentially weighted."""
 
-    kept: float = ACCEPTANCE_PRIOR * PRIOR_WEIGHT
-    judged: float = PRIOR_WEIGHT
+    kept: float = TUNING.acceptance_prior * TUNING.prior_weight
+    judged: float = TUNING.prior_weight
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         judged = num_accepted + (1 if num_accepted < num_drafted else 0)
-        self.kept = self.kept * ACCEPTANCE_DECAY + num_accepted
-        self.judged = self.judged * ACCEPTANCE_DECAY + judged
+        self.kept = self.kept * TUNING.acceptance_decay + num_accepted
+        self.judged = self.judged * TUNING.acceptance_decay + judged
 
     @property
     def alpha(self) -> float:
@@ -121,7 +91,7 @@ class CostLine:
 
 def row_bucket(num_rows: int) -> int:
     """The row count a forward is filed under: itself up to 32 rows, then multiples of 8."""
-    return num_rows if num_rows <= EXACT_ROWS else 8 * round(num_rows / 8)
+    return num_rows if num_rows <= TUNING.exact_rows else 8 * round(num_rows / 8)
 
 
 @dataclass
@@ -137,7 +107,7 @@ class ForwardCurve:
     Example: forwards of 2, 6 and 12 rows took 0.24, 0.26 and 0.38 s -> t(4) = 0.25,
     t(1) = 0.235, t(16) = 0.46 (the last segment's 0.02 s a row)."""
 
-    decay: float = CURVE_DECAY
+    decay: float = TUNING.curve_decay
     points: dict[int, float] = field(default_factory=dict)
     """Row count -> moving mean of the seconds of its forwards."""
     _monotone: tuple[list[int], list[float]] | None = field(default=None, init=False, repr=False)
@@ -152,7 +122,7 @@ class ForwardCurve:
         self.points[bucket] = seconds if previous is None else self.decay * previous + (1 - self.decay) * seconds
         self._num_forwards += 1
         self._last_seen[bucket] = self._num_forwards
-        stale = [row for row in self.points if self._num_forwards - self._last_seen.get(row, 0) > MAX_POINT_AGE]
+        stale = [row for row in self.points if self._num_forwards - self._last_seen.get(row, 0) > TUNING.max_point_age]
         for row in stale[: max(0, len(self.points) - 2)]:
             del self.points[row]
             self._last_seen.pop(row, None)
@@ -208,7 +178,7 @@ class BusyFraction:
     def observe(self, started: float, ended: float) -> None:
         idle = 0.0 if self.last_end is None else max(0.0, started - self.last_end)
         span = idle + (ended - started)
-        decay = math.exp(-span / BUSY_WINDOW_S)
+        decay = math.exp(-span / TUNING.busy_window_s)
         self.busy = self.busy * decay + (ended - started)
         self.elapsed = self.elapsed * decay + span
         self.last_end = ended
@@ -221,14 +191,14 @@ class BusyFraction:
 @dataclass
 class Saturation:
     """Whether the verifier is saturated, from its busy fraction, with hysteresis: it becomes so
-    at ``SATURATION`` and stops only below ``UNSATURATION``."""
+    at ``TUNING.saturation`` and stops only below ``TUNING.unsaturation``."""
 
     is_saturated: bool = False
 
     def observe(self, busy_fraction: float) -> bool:
-        if busy_fraction >= SATURATION:
+        if busy_fraction >= TUNING.saturation:
             self.is_saturated = True
-        elif busy_fraction < UNSATURATION:
+        elif busy_fraction < TUNING.unsaturation:
             self.is_saturated = False
         return self.is_saturated
 
@@ -282,7 +252,7 @@ class TimeAway:
     Example: gaps of 0.035 s after empty calls and 0.105 s before blocks of 2 -> base 0.035 s,
     0.035 s a drafted token."""
 
-    decay: float = GAP_LINE_DECAY
+    decay: float = TUNING.gap_line_decay
     weight: float = 0.0
     sum_blocks: float = 0.0
     sum_gaps: float = 0.0
@@ -354,7 +324,7 @@ class ForwardLoad:
     """The rows and committed tokens of the recent forwards of blocks (moving means): the forward
     a continued session is part of, as it is, not as the row plan would have it."""
 
-    decay: float = CURVE_DECAY
+    decay: float = TUNING.curve_decay
     rows: float | None = None
     tokens: float = 0.0
 
@@ -373,7 +343,7 @@ def departure_length(alpha: float, away: TimeAway, cost: ForwardTime, load: Forw
     m + 1 forwards its departure spans, staying commits (m + 1) T tokens in (m + 1) t(R);
     leaving, the others commit (m + 1)(T - 1), the session E(d) with its block in the last
     forward: in m t(R - 1) + t(R + d). The (shortest) d of the best such rate, where it beats
-    staying by ``DEPARTURE_MARGIN``.
+    staying by ``TUNING.departure_margin``.
 
     Example, this CPU (Run J: t(2) = 0.247, t(3) = 0.253, t(6) = 0.266, t(8) = 0.274 s, 27 ms a
     row past 8 rows), edges away 35 ms + 34 ms a drafted token: three sessions of alpha 0.75
@@ -388,7 +358,7 @@ def departure_length(alpha: float, away: TimeAway, cost: ForwardTime, load: Forw
     if forward_s <= 0:  # a curve extrapolated to nothing: no rate to compare
         return 0
     base_s, per_token_s = away.line()
-    best_length, best_rate = 0, (1.0 + DEPARTURE_MARGIN) * tokens / forward_s
+    best_length, best_rate = 0, (1.0 + TUNING.departure_margin) * tokens / forward_s
     for length in range(1, max_length + 1):
         missed = forwards_missed(base_s + per_token_s * length, forward_s)
         rate = ((missed + 1) * (tokens - 1) + expected_tokens(alpha, length)) / (missed * without_s + cost.seconds(num_rows + length))

@@ -12,10 +12,10 @@ Glossary:
 
 Each forward takes, in arrival order, every small call that fits (a session never has two calls
 in one forward), then gives what is left of the row budget to the oldest big calls as chunks;
-while a big call waits, ``MIN_CHUNK_ROWS`` of the budget and one of the forward's sessions are
+while a big call waits, ``TUNING.min_chunk_rows`` of the budget and one of the forward's sessions are
 kept for it, so a long prompt always progresses (sessions the verifier continues come back the
 moment they are answered and would fill every place) and no block ever waits behind a whole
-prompt. After a forward that fed a big chunk, the next one gives prompts only ``MIN_CHUNK_ROWS``
+prompt. After a forward that fed a big chunk, the next one gives prompts only ``TUNING.min_chunk_rows``
 when blocks wait: a block waits at most one chunk's forward (``max_forward_rows`` rows), and the
 prompt gets a big chunk every other forward.
 A call whose caller went away is dropped before it costs a row.
@@ -79,17 +79,9 @@ from verifier_service.backends.transformers.advice import (
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
 from verifier_service.backends.transformers.prefix_store import BLOCK_TOKENS
 from verifier_service.backends.transformers.runner import ModelRunner, Share, ShareResult
+from verifier_service.tuning import TUNING
 
 logger = logging.getLogger(__name__)
-
-MIN_CHUNK_ROWS = 16
-"""Rows of every forward kept for the oldest big call while one waits."""
-ACTIVE_S = 10.0
-"""A session answered this recently, and not known to have ended, counts as active."""
-GAP_DECAY = 0.7
-"""Weight of the earlier gaps in a session's expected gap between answer and next call."""
-TYPICAL_GAP_DECAY = 0.9
-"""The same for the gap of all sessions together (a session's guess until it has gaps of its own)."""
 
 
 @dataclass(frozen=True)
@@ -139,12 +131,12 @@ def plan_forward(
     small calls first (arrival order, whole, while they fit), then chunks for the big ones.
 
     ``after_chunk``: the forward before fed a big chunk of a prompt. Then, if blocks wait, the
-    prompt gets only ``MIN_CHUNK_ROWS`` now: a block that arrived during that chunk's forward is
+    prompt gets only ``TUNING.min_chunk_rows`` now: a block that arrived during that chunk's forward is
     answered by the next one, which is short, so it waits one chunk's forward at most (forwards
     alternate between a big chunk and the blocks, and the prompt still gets every other one)."""
     needs = [need_of(call) for call in queue]
     waiting_big = any(need > limits.max_block_rows for need in needs)
-    budget = limits.max_forward_rows - (MIN_CHUNK_ROWS if waiting_big else 0)
+    budget = limits.max_forward_rows - (TUNING.min_chunk_rows if waiting_big else 0)
     small_places = limits.max_batch_sessions - (1 if waiting_big and limits.max_batch_sessions > 1 else 0)
     shares: list[tuple[PendingCall, int]] = []
     sessions: set[str] = set()
@@ -156,9 +148,9 @@ def plan_forward(
             shares.append((call, need))
             sessions.add(call.block.session_id)
             budget -= need
-    budget += MIN_CHUNK_ROWS if waiting_big else 0
+    budget += TUNING.min_chunk_rows if waiting_big else 0
     if after_chunk and shares:
-        budget = min(budget, MIN_CHUNK_ROWS)
+        budget = min(budget, TUNING.min_chunk_rows)
     for call, need in zip(queue, needs, strict=True):
         if budget <= 0 or len(shares) == limits.max_batch_sessions:
             break
@@ -206,8 +198,8 @@ def _prefills_more_of(leader: BlockToVerify, leader_cached: int, block: BlockToV
 
 
 def feeds_big_chunk(planned: list[tuple[PendingCall, int]], need_of: Callable[[PendingCall], int], limits: SchedulerLimits) -> bool:
-    """Whether a forward gives a big call more than ``MIN_CHUNK_ROWS`` rows (see ``plan_forward``)."""
-    return any(allowance > MIN_CHUNK_ROWS and need_of(call) > limits.max_block_rows for call, allowance in planned)
+    """Whether a forward gives a big call more than ``TUNING.min_chunk_rows`` rows (see ``plan_forward``)."""
+    return any(allowance > TUNING.min_chunk_rows and need_of(call) > limits.max_block_rows for call, allowance in planned)
 
 
 def feeds_blocks_only(planned: list[tuple[PendingCall, int]], results: list[ShareResult]) -> bool:
@@ -223,7 +215,7 @@ def feeds_blocks_only(planned: list[tuple[PendingCall, int]], results: list[Shar
 class GapEstimate:
     """Gaps between an answer and the next call: their moving mean and mean absolute deviation."""
 
-    decay: float = GAP_DECAY
+    decay: float = TUNING.gap_decay
     mean_s: float | None = None
     deviation_s: float = 0.0
 
@@ -310,7 +302,7 @@ class Scheduler:
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
         self._paces: dict[str, SessionPace] = {}
-        self._typical_gap = GapEstimate(TYPICAL_GAP_DECAY)
+        self._typical_gap = GapEstimate(TUNING.typical_gap_decay)
         self._cost = ForwardCurve()
         self._load = ForwardLoad()
         self._away = TimeAway()
@@ -553,7 +545,9 @@ class Scheduler:
         now = time.perf_counter()
         queued = {call.block.session_id for call in self._queue}
         recent = [
-            session_id for session_id, pace in self._paces.items() if pace.answered_at is not None and now - pace.answered_at < ACTIVE_S
+            session_id
+            for session_id, pace in self._paces.items()
+            if pace.answered_at is not None and now - pace.answered_at < TUNING.active_s
         ]
         return sorted(queued.union(recent) & self._paces.keys())
 
