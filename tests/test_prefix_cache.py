@@ -19,7 +19,7 @@ from spade_core.params import SamplingConfig
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, BlockVerdict
 from verifier_service.backends.transformers.backend import TransformersBackend
-from verifier_service.backends.transformers.scheduler import PendingCall, SchedulerLimits, waiting_for_shared_prefix
+from verifier_service.backends.transformers.plan import PendingCall, SchedulerLimits, waiting_for_shared_prefix
 from verifier_service.kv_budget import DEFAULT_KV_CACHE_BYTES
 from verifier_service.prefix_sharing import prefix_namespace
 from verifier_support import random_tokens

@@ -27,7 +27,7 @@ import torch
 from spade_core.params import SamplingConfig
 from verifier_service.backends.base import BlockToVerify
 from verifier_service.backends.transformers.backend import TransformersBackend
-from verifier_service.backends.transformers.scheduler import SchedulerLimits
+from verifier_service.backends.transformers.plan import SchedulerLimits
 from verifier_support import plain_forward_logits, random_tokens
 
 GOLDEN = Path(__file__).parent / "golden" / "scripted_load.json"

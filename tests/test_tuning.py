@@ -25,6 +25,8 @@ POLICY_MODULES = (
     "verifier_service.backends.transformers.advice",
     "verifier_service.backends.transformers.hold",
     "verifier_service.backends.transformers.scheduler",
+    "verifier_service.backends.transformers.plan",
+    "verifier_service.backends.transformers.pace",
 )
 
 

@@ -145,7 +145,7 @@ def test_six_continued_sessions_wait_only_briefly_for_an_edge_past_the_knee():
 
 
 def test_a_session_is_expected_after_its_mean_gap_and_awaited_a_little_past_it():
-    from verifier_service.backends.transformers.scheduler import GapEstimate, expected_arrival
+    from verifier_service.backends.transformers.pace import GapEstimate, expected_arrival
 
     gap = GapEstimate(mean_s=0.1, deviation_s=0.02)
     early = expected_arrival(10.0, gap, 10.05, late_s=0.04)
@@ -158,7 +158,7 @@ def test_a_session_is_expected_after_its_mean_gap_and_awaited_a_little_past_it()
 
 
 def test_gaps_learn_their_mean_and_spread():
-    from verifier_service.backends.transformers.scheduler import GapEstimate
+    from verifier_service.backends.transformers.pace import GapEstimate
 
     gap = GapEstimate(decay=0.5)
     for gap_s in (0.1, 0.2, 0.1, 0.2, 0.1, 0.2, 0.1, 0.2):
@@ -172,7 +172,7 @@ def test_gaps_learn_their_mean_and_spread():
 
 
 def test_a_session_without_gaps_of_its_own_is_expected_after_the_typical_gap():
-    from verifier_service.backends.transformers.scheduler import GapEstimate, SessionPace
+    from verifier_service.backends.transformers.pace import GapEstimate, SessionPace
 
     typical = GapEstimate(mean_s=0.2, deviation_s=0.05)
     pace = SessionPace(answered_at=5.0)

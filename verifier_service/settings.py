@@ -14,7 +14,7 @@ from spade_core.params import MAX_CONTINUED_TOKENS
 
 if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and must not
     from verifier_service.backends.cpu_kernels import BatchInvariance
-    from verifier_service.backends.transformers.scheduler import SchedulerLimits
+    from verifier_service.backends.transformers.plan import SchedulerLimits
     from verifier_service.pipeline import PipelineLimits
     from verifier_service.service import VerifyLimits
     from verifier_service.sessions import SessionLimits
@@ -281,7 +281,7 @@ class VerifierSettings(ServiceSettings):
         return "preferred" if self.batch_invariant and self.backend == "transformers" and self.fast_kernels else "off"
 
     def scheduler_limits(self) -> SchedulerLimits:
-        from verifier_service.backends.transformers.scheduler import SchedulerLimits
+        from verifier_service.backends.transformers.plan import SchedulerLimits
 
         return SchedulerLimits(
             max_batch_sessions=self.max_batch_sessions,

@@ -1,45 +1,18 @@
-"""The transformers backend's scheduler: which calls share the next forward, how many rows each
-may feed, when a forward waits for company, and what each session is advised to draft next.
+"""The transformers backend's scheduler: gathers pending calls into forwards and runs them, one at
+a time; decides when a forward waits for company and what each session is advised to draft next.
+Which calls share a forward is ``plan`` (chunked prompts, shared prefixes arriving together);
+each session's gaps and pace is ``pace``; the arithmetic of holding is ``hold`` and of the advice
+``advice``. A call whose caller went away is dropped before it costs a row.
 
-Glossary:
-    pending     a verify call (or a target-only step) waiting for the target
-    need        the rows a call still has to feed: its uncached context + its drafted block
-    small call  a call whose need fits one block (at most ``max_block_rows``): a steady-state
-                verify call, a target-only step, a short prompt
-    big call    a long prompt (or a resync) whose need is larger: it is prefilled in chunks
-    forward     one model call over every share's rows (``runner``), at most
-                ``max_forward_rows`` rows and ``max_batch_sessions`` sessions
-
-Each forward takes, in arrival order, every small call that fits (a session never has two calls
-in one forward), then gives what is left of the row budget to the oldest big calls as chunks;
-while a big call waits, ``TUNING.min_chunk_rows`` of the budget and one of the forward's sessions are
-kept for it, so a long prompt always progresses (sessions the verifier continues come back the
-moment they are answered and would fill every place) and no block ever waits behind a whole
-prompt. After a forward that fed a big chunk, the next one gives prompts only ``TUNING.min_chunk_rows``
-when blocks wait: a block waits at most one chunk's forward (``max_forward_rows`` rows), and the
-prompt gets a big chunk every other forward.
-A call whose caller went away is dropped before it costs a row.
-
-Holding (forwards that serve many sessions): the scheduler learns each session's gap between
-its answer and its next call (mean and spread; a new session is expected after the gap typical of
-all), and the rows it fed. The steps a service continues a session by (``continued_step``) come
-with no round trip and teach no gap; the scheduler yields to the event loop before planning each
-forward, so such a step, submitted the moment its session is answered, joins the next forward.
-When a forward is about to start, it waits for the sessions not yet queued that are due soon
-while ``hold.latest_worth_holding`` says the expected wait costs less than merging the forwards
-saves (scaled by ``hold_scale``; queued continued steps are ``returning``: their sessions come
-back at once): N edges' calls then meet in one forward instead of alternating. A session held for is awaited a little past its expected
-time (``hold_late_deviations`` of its gaps' spread, at most a one-row forward): an edge's gap
-varies with its block length, and one that came 10 ms late after its mean would otherwise find
-the forward gone and fall out of phase. The forward cost t(R) both the hold rule and the advice
-plan with is the curve measured per row count (``advice.ForwardCurve``), from forwards of
-blocks alone (``feeds_blocks_only``).
-
-Shared prefixes arriving together: a call that would start its session's cache (a new
-session's prompt) while an earlier queued call of its namespace is still prefilling a longer
-common prefix waits until that prefix is cached (``waiting_for_shared_prefix``), then copies it:
-eight users of one system prompt arriving at once prefill it once, not eight times, and each
-reaches its first token after the shared prefill plus its own suffix.
+Holding (forwards that serve many sessions): the scheduler yields to the event loop before
+planning each forward, so a step a service continues a session by, submitted the moment its
+session is answered, joins the next forward. When a forward is about to start, it waits for the
+sessions not yet queued that are due soon (``pace``) while ``hold.latest_worth_holding`` says the
+expected wait costs less than merging the forwards saves (scaled by ``hold_scale``; queued
+continued steps are ``returning``: their sessions come back at once): N edges' calls then meet in
+one forward instead of alternating. The forward cost t(R) both the hold rule and the advice plan
+with is the curve measured per row count (``advice.ForwardCurve``), from forwards of blocks alone
+(``plan.feeds_blocks_only``).
 
 Advice: after each forward, every answered call's session gets ``advice.advised_lengths`` for
 its next block (the verifier's limit while the target is not saturated). A session its service
@@ -54,15 +27,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 from spade_core.block_yield import expected_tokens
-from spade_models.kv_cache import common_prefix_length
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, ForwardRecord
 from verifier_service.backends.transformers.advice import (
-    AcceptanceRate,
     BusyFraction,
     ForwardCurve,
     ForwardLoad,
@@ -77,216 +46,19 @@ from verifier_service.backends.transformers.advice import (
     row_price,
 )
 from verifier_service.backends.transformers.hold import Sessions, latest_worth_holding
-from verifier_service.backends.transformers.prefix_store import BLOCK_TOKENS
+from verifier_service.backends.transformers.pace import GapEstimate, SessionPace
+from verifier_service.backends.transformers.plan import (
+    PendingCall,
+    SchedulerLimits,
+    feeds_big_chunk,
+    feeds_blocks_only,
+    plan_forward,
+    waiting_for_shared_prefix,
+)
 from verifier_service.backends.transformers.runner import ModelRunner, Share, ShareResult
 from verifier_service.tuning import TUNING
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    max_batch_sessions: int = 8
-    """Most sessions sharing one forward."""
-    max_forward_rows: int = 128
-    """Most rows in one forward: the prefill chunk size (a prompt's chunk shares it with blocks)."""
-    max_block_rows: int = 65
-    """The largest need treated as one block (the verifier's longest draft + 1)."""
-    batch_wait_s: float = 0.0
-    """While the target is idle, how long the oldest call waits for company at least."""
-    hold_scale: float = 1.0
-    """A forward holds for sessions due soon while the wait costs less than the forward's fixed
-    part it saves (``hold.latest_worth_holding``); the wait that allows is multiplied by this
-    (0: never hold)."""
-    hold_late_deviations: float = 2.0
-    """A session held for may come this many of its gaps' mean deviations after its expected
-    time (at most a one-row forward's time) and still be waited for; 0: only until then."""
-    max_draft_length: int = 64
-    """The verifier's longest draft: the advice never exceeds it."""
-
-    def __post_init__(self) -> None:
-        if self.max_batch_sessions < 1 or self.max_forward_rows < 1 or self.max_block_rows < 1:
-            raise ValueError("scheduler limits must be positive")
-        if self.batch_wait_s < 0 or self.hold_scale < 0 or self.hold_late_deviations < 0:
-            raise ValueError("batch_wait_s, hold_scale and hold_late_deviations must be >= 0")
-
-
-@dataclass
-class PendingCall:
-    block: BlockToVerify
-    queued_at: float
-    future: asyncio.Future = field(repr=False)
-    keep_cache: bool = True
-    """False once the session was released while this call waited: answered, no cache kept."""
-    rows_fed: int = 0
-    """Rows its earlier prefill chunks fed."""
-    num_cached_tokens: int = 0
-    """Context tokens copied from a shared prefix instead of fed (``runner``'s prefix cache)."""
-
-
-def plan_forward(
-    queue: list[PendingCall], need_of: Callable[[PendingCall], int], limits: SchedulerLimits, after_chunk: bool = False
-) -> list[tuple[PendingCall, int]]:
-    """The next forward's shares, (call, row allowance), in queue order of their selection:
-    small calls first (arrival order, whole, while they fit), then chunks for the big ones.
-
-    ``after_chunk``: the forward before fed a big chunk of a prompt. Then, if blocks wait, the
-    prompt gets only ``TUNING.min_chunk_rows`` now: a block that arrived during that chunk's forward is
-    answered by the next one, which is short, so it waits one chunk's forward at most (forwards
-    alternate between a big chunk and the blocks, and the prompt still gets every other one)."""
-    needs = [need_of(call) for call in queue]
-    waiting_big = any(need > limits.max_block_rows for need in needs)
-    budget = limits.max_forward_rows - (TUNING.min_chunk_rows if waiting_big else 0)
-    small_places = limits.max_batch_sessions - (1 if waiting_big and limits.max_batch_sessions > 1 else 0)
-    shares: list[tuple[PendingCall, int]] = []
-    sessions: set[str] = set()
-    for call, need in zip(queue, needs, strict=True):
-        is_first = not shares
-        if len(shares) == small_places or need > limits.max_block_rows or call.block.session_id in sessions:
-            continue
-        if need <= budget or is_first:
-            shares.append((call, need))
-            sessions.add(call.block.session_id)
-            budget -= need
-    budget += TUNING.min_chunk_rows if waiting_big else 0
-    if after_chunk and shares:
-        budget = min(budget, TUNING.min_chunk_rows)
-    for call, need in zip(queue, needs, strict=True):
-        if budget <= 0 or len(shares) == limits.max_batch_sessions:
-            break
-        if need > limits.max_block_rows and call.block.session_id not in sessions:
-            shares.append((call, min(need, budget)))
-            sessions.add(call.block.session_id)
-            budget -= min(need, budget)
-    return shares
-
-
-def waiting_for_shared_prefix(
-    queue: list[PendingCall], cached_length: Callable[[BlockToVerify], int], has_cache: Callable[[str], bool]
-) -> set[int]:
-    """The calls (``id``s) to leave out of the next forward because an earlier queued call of
-    their namespace is still prefilling at least one more block of their context than is cached
-    for them now: once it has, they copy it (``runner``'s prefix cache) instead of computing it
-    again. Only calls that would start their session's cache wait, and only behind calls that
-    do not wait themselves, so the earliest always runs. Example: A (1,000-token system prompt +
-    question a) and B (same prompt + question b) arrive together: B waits while A's chunks feed
-    the prompt, then starts from a copy of it and feeds question b only."""
-    leaders: list[tuple[BlockToVerify, int]] = []
-    """(block, context tokens cached for it) of the calls that run."""
-    waiting: set[int] = set()
-    for call in queue:
-        block = call.block
-        if block.cache_namespace is None:
-            continue
-        cached = cached_length(block)
-        if not has_cache(block.session_id) and any(
-            _prefills_more_of(leader, leader_cached, block, cached) for leader, leader_cached in leaders
-        ):
-            waiting.add(id(call))
-            continue
-        leaders.append((block, cached))
-    return waiting
-
-
-def _prefills_more_of(leader: BlockToVerify, leader_cached: int, block: BlockToVerify, cached: int) -> bool:
-    """Whether ``leader``'s prefill will cache at least one more block of ``block``'s context
-    than the ``cached`` tokens it can copy now."""
-    if leader.cache_namespace != block.cache_namespace:
-        return False
-    shared = min(common_prefix_length(leader.context_token_ids, block.context_token_ids), len(leader.context_token_ids) - 1)
-    return leader_cached < shared and shared - cached >= BLOCK_TOKENS
-
-
-def feeds_big_chunk(planned: list[tuple[PendingCall, int]], need_of: Callable[[PendingCall], int], limits: SchedulerLimits) -> bool:
-    """Whether a forward gives a big call more than ``TUNING.min_chunk_rows`` rows (see ``plan_forward``)."""
-    return any(allowance > TUNING.min_chunk_rows and need_of(call) > limits.max_block_rows for call, allowance in planned)
-
-
-def feeds_blocks_only(planned: list[tuple[PendingCall, int]], results: list[ShareResult]) -> bool:
-    """Whether a forward fed blocks alone (each call its drafted tokens and the one before them:
-    a verify call or a target-only step), no prompt rows. Only such forwards teach the cost
-    curve t(R) that holding and the advice plan with: a prompt's forward also pays its rows'
-    attention over a context built in the same forward, and its few long forwards are not the
-    ones being planned."""
-    return all(result.num_rows <= call.block.num_drafted + 1 for (call, _), result in zip(planned, results, strict=True))
-
-
-@dataclass
-class GapEstimate:
-    """Gaps between an answer and the next call: their moving mean and mean absolute deviation."""
-
-    decay: float = TUNING.gap_decay
-    mean_s: float | None = None
-    deviation_s: float = 0.0
-
-    def observe(self, gap_s: float) -> None:
-        if self.mean_s is None:
-            self.mean_s = gap_s
-            return
-        self.deviation_s = self.decay * self.deviation_s + (1 - self.decay) * abs(gap_s - self.mean_s)
-        self.mean_s = self.decay * self.mean_s + (1 - self.decay) * gap_s
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """When a session's next call should come, seen from now: its expected wait and the latest
-    wait still worth holding for (a call a little late is still likely to come)."""
-
-    expected_s: float
-    latest_s: float
-
-
-def expected_arrival(answered_at: float, gap: GapEstimate, now: float, late_s: float) -> Arrival | None:
-    """The next call of a session answered at ``answered_at``, whose gaps are ``gap``: due at
-    answered_at + the mean gap, still awaited until ``late_s`` after that. Past its expected
-    time, the expected wait is half of what is left of the window; past the window, None.
-
-    Example: answered at 10.0, mean gap 0.1, late_s 0.04: at 10.05 -> (0.05, 0.09); at 10.12 ->
-    (0.01, 0.02); at 10.15 -> None."""
-    if gap.mean_s is None:
-        return None
-    due_at = answered_at + gap.mean_s
-    latest_s = due_at + late_s - now
-    if latest_s < 0:
-        return None
-    expected_s = due_at - now if now <= due_at else latest_s / 2
-    return Arrival(expected_s, latest_s)
-
-
-@dataclass
-class SessionPace:
-    """When a session's next call is due: its last answer and its gaps until the next call."""
-
-    answered_at: float | None = None
-    gap: GapEstimate = field(default_factory=GapEstimate)
-    acceptance: AcceptanceRate = field(default_factory=AcceptanceRate)
-    drafts: bool = False
-    """The session has sent a drafted block (target-only steps never do)."""
-    advice: int | None = None
-    rows: int = 1
-    """The rows its last answered call fed (what its next call is expected to add to a forward)."""
-    drafted: int = 0
-    """The block its last answered call carried."""
-    continued: bool = False
-    """The verifier continues the session (a continued step was answered since its edge last
-    sent a block): it is advised the block worth leaving for (``advice.departure_length``)."""
-
-    def arrived(self, now: float) -> float | None:
-        """The call came; returns the gap since its last answer (None for its first call)."""
-        if self.answered_at is None:
-            return None
-        gap_s = now - self.answered_at
-        self.gap.observe(gap_s)
-        self.answered_at = None
-        return gap_s
-
-    def arrival(self, now: float, typical: GapEstimate, late_deviations: float, max_late_s: float) -> Arrival | None:
-        """When its next call should come (None: not awaited); a session with no gap of its own
-        yet is expected after the gap typical of all sessions."""
-        if self.answered_at is None:
-            return None
-        gap = self.gap if self.gap.mean_s is not None else typical
-        return expected_arrival(self.answered_at, gap, now, min(late_deviations * gap.deviation_s, max_late_s))
 
 
 class Scheduler:
