@@ -52,6 +52,7 @@ from verifier_service.pipeline_protocol import (
 )
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 from verifier_service.service import owned_session_id
+from verifier_service.verify_input import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +107,6 @@ def decided_tokens(proposed: list[int], verdict: BlockVerdict, eos_token_ids: fr
     if len(tokens) >= room:
         tokens, finish = tokens[:room], finish or "length"
     return tokens, min(verdict.num_accepted, len(tokens)), finish
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    if any(not 0 <= token < vocab_size for token in token_ids):
-        raise InvalidRequestError(f"{param} must be token ids below {vocab_size}", param=param, code="invalid_token_id")
 
 
 class PipelinedSession:
@@ -302,10 +298,7 @@ class PipelineSessions:
             raise OverloadedError(
                 f"{len(self._sessions)} pipelined sessions are open, the most this verifier holds", code="too_many_sessions"
             )
-        if any(not 0 <= token < model.vocab_size for token in request.prompt_tokens):
-            raise InvalidRequestError(
-                f"prompt_tokens must be token ids below {model.vocab_size}", param="prompt_tokens", code="invalid_token_id"
-            )
+        check_token_ids(request.prompt_tokens, model.vocab_size, "prompt_tokens", code="invalid_token_id")
         model.check_fits(len(request.prompt_tokens), 1, "prompt_tokens")
         namespace = prefix_namespace(self.prefix_sharing, owner, request.cache_salt)
         template = BlockToVerify(owned_id, list(request.prompt_tokens), [], None, request.sampling.to_config(), None, namespace)
@@ -318,17 +311,13 @@ class PipelineSessions:
         )
 
     def propose(self, session_id: str, proposal: PipelineProposal, owner: str = "") -> None:
-        model = self.backend.model
         if len(proposal.draft_tokens) > self.limits.window_tokens + self.limits.max_draft_length:
             raise InvalidRequestError(
                 f"a proposal holds at most {self.limits.window_tokens + self.limits.max_draft_length} tokens",
                 param="draft_tokens",
                 code="proposal_too_long",
             )
-        if any(not 0 <= token < model.vocab_size for token in proposal.draft_tokens):
-            raise InvalidRequestError(
-                f"draft_tokens must be token ids below {model.vocab_size}", param="draft_tokens", code="invalid_token_id"
-            )
+        check_token_ids(proposal.draft_tokens, self.backend.model.vocab_size, "draft_tokens", code="invalid_token_id")
         self._session(session_id, owner).propose(proposal)
 
     def decided(self, session_id: str, after: int, owner: str = "") -> AsyncIterator[DecidedTokens]:

@@ -5,15 +5,13 @@ leaves the session as it was."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from gateway.engine import TopLogprobs as TopLogprobsOfToken
-from gateway.engine import check_logprobs_support
-from gateway.errors import InvalidRequestError, OverloadedError, SessionConflictError
+from gateway.errors import OverloadedError, SessionConflictError
 from verifier_service.audit import AuditLog, VerdictAudit
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 from verifier_service.metrics import VerifierMetrics
@@ -21,7 +19,6 @@ from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 from verifier_service.protocol import (
     SESSION_RESYNC_CODE,
     SessionDeleted,
-    SparseDistribution,
     TopLogprobs,
     VerifyRequest,
     VerifyResponse,
@@ -32,8 +29,7 @@ from verifier_service.protocol import (
 )
 from verifier_service.sessions import Session, SessionRegistry
 from verifier_service.steps_ahead import DecidedAnswer, SessionStepper, answer_from_decided
-
-PROB_SUM_TOLERANCE = 1e-3
+from verifier_service.verify_input import checked_request
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +107,7 @@ class VerifierService:
         """``owner``: the caller's key id (``gateway.security.key_id``; "" without keys): each
         owner has its own namespace of sessions, so another key's session is simply unknown."""
         received_at = time.perf_counter()
-        draft_probs = self.validate(request)
+        draft_probs = checked_request(request, self.backend.model, self.limits.max_draft_length, self.limits.max_draft_support)
         session = self._session_for(request, owned_session_id(owner, request.session_id), owner)
         fingerprint = request.fingerprint()
         async with session.lock:
@@ -351,52 +347,6 @@ class VerifierService:
         self.metrics.sessions.set(len(self.sessions))
         return SessionDeleted(session_id=session_id, deleted=deleted)
 
-    def validate(self, request: VerifyRequest) -> torch.Tensor | None:
-        """Check everything that does not depend on the session; returns the dense draft_probs."""
-        num_drafted = len(request.draft_tokens)  # 0: the prompt-only call, answered with the target's next token
-        if num_drafted > self.limits.max_draft_length:
-            raise InvalidRequestError(
-                f"at most {self.limits.max_draft_length} drafted tokens per call, got {num_drafted}", param="draft_tokens"
-            )
-        self._check_token_ids(request.new_tokens, "new_tokens")
-        self._check_token_ids(request.draft_tokens, "draft_tokens")
-        if request.prefix_length == 0 and not request.new_tokens:
-            raise InvalidRequestError("a call with prefix_length 0 must send the context in new_tokens", param="new_tokens")
-        self.backend.model.check_fits(request.prefix_length + len(request.new_tokens), num_drafted, param="draft_tokens")
-        if request.num_top_logprobs is not None:
-            check_logprobs_support(self.backend.model.logprobs_support, request.sampling.to_config(), param="num_top_logprobs")
-        if request.draft_probs is None:
-            return None
-        if len(request.draft_probs) != num_drafted:
-            raise InvalidRequestError(
-                f"draft_probs has {len(request.draft_probs)} rows for {num_drafted} drafted tokens", param="draft_probs"
-            )
-        if num_drafted == 0:  # [] for an empty block: nothing drafted, nothing to weigh
-            return None
-        return self._dense_draft_probs(request.draft_probs, request.draft_tokens)
-
-    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab_size = self.backend.model.vocab_size
-        bad = [token_id for token_id in token_ids if not 0 <= token_id < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param)
-
-    def _dense_draft_probs(self, rows: list[SparseDistribution], draft_tokens: list[int]) -> torch.Tensor:
-        for index, (row, drafted) in enumerate(zip(rows, draft_tokens, strict=True)):
-            param = f"draft_probs.{index}"
-            if len(row.token_ids) > self.limits.max_draft_support:
-                raise InvalidRequestError(f"at most {self.limits.max_draft_support} tokens per distribution", param=param)
-            self._check_token_ids(row.token_ids, param)
-            if any(not math.isfinite(prob) or prob < 0 for prob in row.probs):
-                raise InvalidRequestError("probabilities must be finite and non-negative", param=param)
-            total = math.fsum(row.probs)
-            if abs(total - 1.0) > PROB_SUM_TOLERANCE:
-                raise InvalidRequestError(f"probabilities sum to {total:.6f}, not 1", param=param)
-            support = dict(zip(row.token_ids, row.probs, strict=True))
-            if support.get(drafted, 0.0) <= 0:
-                raise InvalidRequestError(f"drafted token {drafted} has no mass in its distribution", param=param)
-        return dense_draft_probs(rows, self.backend.model.vocab_size)
-
     def _session_for(self, request: VerifyRequest, owned_id: str, owner: str) -> Session:
         if request.prefix_length == 0:
             return self.sessions.get_or_create(owned_id, owner)
@@ -517,12 +467,3 @@ def decided_verdict(used: list[BlockVerdict], num_accepted: int, num_drafted: in
     for step in used[num_accepted + 1 :]:
         continuation.add(step)
     return verdict, continuation
-
-
-def dense_draft_probs(rows: list[SparseDistribution], vocab_size: int) -> torch.Tensor:
-    """The drafted distributions as a backend takes them: [len(rows), vocab_size] float32, each
-    sparse row spread over the vocabulary and renormalised (it sums to 1 within PROB_SUM_TOLERANCE)."""
-    dense = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
-    for index, row in enumerate(rows):
-        dense[index, row.token_ids] = torch.tensor(row.probs, dtype=torch.float32) / math.fsum(row.probs)
-    return dense

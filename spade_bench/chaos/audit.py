@@ -23,7 +23,7 @@ import torch
 from spade_core.acceptance import accept_block, draft_row, residual_distribution
 from spade_core.sampling import position_uniforms, processed_probs
 from verifier_service.audit import VerdictAudit, read_audit
-from verifier_service.service import dense_draft_probs
+from verifier_service.verify_input import dense_draft_probs
 
 TOLERANCE = 1e-4
 """How near a boundary a decision may fall and still differ offline by rounding: the verifier's

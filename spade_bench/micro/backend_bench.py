@@ -41,7 +41,7 @@ from edge_agent.settings import EdgeSettings
 from spade_core.params import SamplingConfig
 from spade_models.loader import LoadedModel, ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, VerifierBackend
-from verifier_service.service import dense_draft_probs
+from verifier_service.verify_input import dense_draft_probs
 
 
 @dataclass(frozen=True)
