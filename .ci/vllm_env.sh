@@ -28,7 +28,7 @@ not_built() {
 check_imports() {
   "$VENV/bin/python" - <<'EOF'
 import torch, transformers, vllm, pytest, pytest_asyncio, scipy
-import verifier_service.backends.vllm_backend  # noqa: F401
+import verifier_service.backends.vllm.backend  # noqa: F401
 assert torch.__version__.endswith("+cpu"), f"torch {torch.__version__} is not the CPU build"
 print(f"vllm_env: vllm {vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}")
 EOF

@@ -1,7 +1,7 @@
 """An edge's proposal: drafted token ids from an absolute start position, read by a verifier that
 has decided tokens of its own since the edge drafted them. One definition for every consumer
 (the pipelined sessions of ``verifier_service.pipeline``, vLLM's proposer hook in
-``verifier_service.backends.vllm_proposals``)."""
+``verifier_service.backends.vllm.proposals``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The verifier's CPU kernels (verifier_service/backends/cpu_kernels.py and .c).
+"""The verifier's CPU kernels (verifier_service/backends/transformers/cpu/kernels.py and .c).
 
 The kernel, for every ISA the CPU runs (an AVX-512 box builds and tests the AVX2 variant too),
 in both forms (row-major weights and weights packed in panels): every output equals a float64
@@ -39,9 +39,9 @@ from servers import serve
 from spade_models.attention import attention_implementation
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
-from verifier_service.backends import cpu_kernels
-from verifier_service.backends.cpu_attention import KERNEL_ATTRIBUTE, rowwise_attention
-from verifier_service.backends.cpu_kernels import (
+from verifier_service.backends.transformers.cpu import kernels as cpu_kernels
+from verifier_service.backends.transformers.cpu.attention import KERNEL_ATTRIBUTE, rowwise_attention
+from verifier_service.backends.transformers.cpu.kernels import (
     COMPILE_TIMEOUT_S,
     ISA_FLAGS,
     KERNEL_SOURCE,
@@ -55,7 +55,7 @@ from verifier_service.backends.cpu_kernels import (
     runnable_isas,
     shared_parameters,
 )
-from verifier_service.backends.growing_cache import GROWTH_TOKENS, growing_cache
+from verifier_service.backends.transformers.growing_cache import GROWTH_TOKENS, growing_cache
 from verifier_service.metrics import block_label
 from verifier_support import (
     greedy_block,

@@ -12,7 +12,7 @@ from spade_bench.micro import forward_bench
 from spade_bench.micro.cpu_physics import CorePhysics, cpuinfo_fields, measure_core, parse_isas
 from spade_bench.micro.forward_bench import LinearSizes, efficiency_cells, expand_variants, parse_counts, split_variant, variant_name
 from spade_bench.micro.rows_bench import main, split_rows
-from verifier_service.backends.cpu_kernels import runnable_isas
+from verifier_service.backends.transformers.cpu.kernels import runnable_isas
 
 
 def test_rows_are_split_as_evenly_as_they_go_and_no_session_is_left_empty():

@@ -20,9 +20,9 @@ from spade_core.params import SamplingConfig
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from verifier_service.backends.base import BlockToVerify, ForwardRecord
-from verifier_service.backends.cpu_kernels import apply_cpu_kernels, cpu_isa, load_kernel_library
-from verifier_service.backends.growing_cache import GrowingLayer, growing_cache
 from verifier_service.backends.transformers.backend import TransformersBackend
+from verifier_service.backends.transformers.cpu.kernels import apply_cpu_kernels, cpu_isa, load_kernel_library
+from verifier_service.backends.transformers.growing_cache import GrowingLayer, growing_cache
 from verifier_service.backends.transformers.plan import PendingCall, SchedulerLimits, plan_forward
 from verifier_service.backends.transformers.ragged import RaggedCache, packed_causal_mask, ragged_forward, register_ragged_attention
 from verifier_service.backends.transformers.runner import Share

@@ -13,7 +13,7 @@ import pytest
 
 from gateway.cli import service_parser, settings_from_arguments
 from verifier_service.backends import vllm_engine_options
-from verifier_service.backends.vllm_backend import VllmEngineOptions, engine_arguments, parallelism_arguments
+from verifier_service.backends.vllm.backend import VllmEngineOptions, engine_arguments, parallelism_arguments
 from verifier_service.settings import VerifierSettings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from spade_core.proposals import Proposal, aligned_proposal
-from verifier_service.backends.vllm_proposals import ProposalBoard, session_key
+from verifier_service.backends.vllm.proposals import ProposalBoard, session_key
 
 
 @pytest.fixture

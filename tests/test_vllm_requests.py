@@ -1,4 +1,4 @@
-"""Reading vLLM's FlatLogprobs (``backends.vllm_requests``) without vLLM: each position lists the
+"""Reading vLLM's FlatLogprobs (``backends.vllm.requests``) without vLLM: each position lists the
 chosen token, then the top-N in rank order; vLLM 0.32's decode loop sometimes lists a rank-1
 chosen token once instead of twice, and both shapes read the same."""
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from verifier_service.backends.vllm_requests import chosen_logprob, top_entries
+from verifier_service.backends.vllm.requests import chosen_logprob, top_entries
 
 
 def flat(*positions: list[tuple[int, float, int]]) -> SimpleNamespace:

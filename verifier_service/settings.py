@@ -13,7 +13,7 @@ from gateway.settings import ServiceSettings
 from spade_core.params import MAX_CONTINUED_TOKENS
 
 if TYPE_CHECKING:  # both pull in torch; a CLI's --help imports this module and must not
-    from verifier_service.backends.cpu_kernels import BatchInvariance
+    from verifier_service.backends.transformers.cpu.kernels import BatchInvariance
     from verifier_service.backends.transformers.plan import SchedulerLimits
     from verifier_service.pipeline import PipelineLimits
     from verifier_service.service import VerifyLimits

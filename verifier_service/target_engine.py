@@ -2,7 +2,7 @@
 compare against, and the path an edge can fall back to.
 
 Two routes (``--target-route``): ``verify-steps`` (this module's engine, the transformers
-backend's only route) and ``native`` (``backends.vllm_native``: vLLM's own decode loop, the
+backend's only route) and ``native`` (``backends.vllm.native``: vLLM's own decode loop, the
 default with ``--backend vllm``). On the verify-steps route each step is a verify call with an
 empty block, so it runs the very code that verifies drafts: same cache, same sampling
 transform, same seeded draws. At temperature 0 the speculative output must therefore equal this
@@ -65,8 +65,8 @@ def create_target_engine(
     backend other than vLLM); ``prefix_sharing`` isolates cached prefixes on either route."""
     if route == "verify-steps":
         return TargetOnlyEngine(backend, metrics, prefix_sharing)
-    from verifier_service.backends.vllm_backend import VllmBackend
-    from verifier_service.backends.vllm_native import VllmNativeEngine
+    from verifier_service.backends.vllm.backend import VllmBackend
+    from verifier_service.backends.vllm.native import VllmNativeEngine
 
     if not isinstance(backend, VllmBackend):
         raise ValueError(f"--target-route {route} needs --backend vllm, not {backend.name}")

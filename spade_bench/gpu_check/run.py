@@ -183,7 +183,7 @@ def _shape_name(config: CheckConfig) -> str:
 def host_description(config: CheckConfig, check_cores: tuple[int, ...]) -> dict:
     """The machine the numbers come from: device, CPU model and its vector ISA, core placement."""
     from spade_bench.micro.cpu_physics import cpu_description
-    from verifier_service.backends.cpu_kernels import cpu_isa
+    from verifier_service.backends.transformers.cpu.kernels import cpu_isa
 
     model, clock_mhz = cpu_description()
     clock = f", {clock_mhz:.0f} MHz" if clock_mhz else ""

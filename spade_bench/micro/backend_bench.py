@@ -211,7 +211,7 @@ async def transformers_rows(source: ModelSource, draft: LoadedModel | None, conf
 
 
 async def vllm_rows(source: ModelSource, draft: LoadedModel | None, config: BenchConfig, args) -> list[str]:
-    from verifier_service.backends.vllm_backend import EXACT_ROUTES, VllmEngineOptions, create_vllm_backend
+    from verifier_service.backends.vllm.backend import EXACT_ROUTES, VllmEngineOptions, create_vllm_backend
 
     options = VllmEngineOptions(
         dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib

@@ -5,7 +5,7 @@
  *   FLOPs = iterations x CHAINS x LANES x 2: the core's in-register FMA peak for this ISA.
  * physics_read: sums `count` floats with four vector accumulators: one pass that reads memory as
  *   fast as the core can stream it (bytes = 4 count), the bound a one-row forward meets.
- * Built and loaded like the kernel (verifier_service.backends.cpu_kernels.build_library).
+ * Built and loaded like the kernel (verifier_service.backends.transformers.cpu.kernels.build_library).
  */
 
 #include <immintrin.h>

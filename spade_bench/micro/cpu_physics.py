@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from spade_models.pull import resolve_cache_dir
-from verifier_service.backends.cpu_kernels import build_library, runnable_isas
+from verifier_service.backends.transformers.cpu.kernels import build_library, runnable_isas
 
 PHYSICS_SOURCE = Path(__file__).with_name("cpu_physics.c")
 READ_BYTES = 1 << 30

@@ -42,8 +42,8 @@ from spade_bench.micro.cpu_physics import CorePhysics, measure_core, parse_isas
 from spade_models.kv_cache import cache_argument_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
-from verifier_service.backends.cpu_kernels import CpuKernelPatch, KernelLibrary, apply_cpu_kernels, load_kernel_library
-from verifier_service.backends.growing_cache import growing_cache
+from verifier_service.backends.transformers.cpu.kernels import CpuKernelPatch, KernelLibrary, apply_cpu_kernels, load_kernel_library
+from verifier_service.backends.transformers.growing_cache import growing_cache
 
 MODES = ("stock", "fast_dot", "fast", "batch_invariant")
 """fast_dot: the fast mode with every weight left row-major (the kernel's dot-product form, as
@@ -395,7 +395,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--isa", help="kernel ISAs, a comma list such as AVX512,AVX2 (default: the best this CPU runs)")
     parser.add_argument(
         "--compare-source",
-        help="another cpu_kernels.c (say, an earlier commit's: git show REV:verifier_service/backends/cpu_kernels.c > old.c) "
+        help="another kernels.c (say, an earlier commit's: git show REV:verifier_service/backends/transformers/cpu/kernels.c"
+        " > old.c; before December 2026, verifier_service/backends/cpu_kernels.c) "
         "built for the same ISAs and timed beside this one, labelled by its file name",
     )
     parser.add_argument("--context-lengths", default="200,1000")

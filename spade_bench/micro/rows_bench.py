@@ -33,8 +33,8 @@ from spade_bench.micro.cpu_physics import measure_core, parse_isas
 from spade_bench.micro.forward_bench import physics_lines, split_variant, tiny_source, variant_name
 from spade_models.loader import ModelSource, load_model
 from spade_models.pull import resolve_cache_dir
-from verifier_service.backends.cpu_kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
-from verifier_service.backends.growing_cache import growing_cache
+from verifier_service.backends.transformers.cpu.kernels import CpuKernelPatch, apply_cpu_kernels, load_kernel_library
+from verifier_service.backends.transformers.growing_cache import growing_cache
 from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention
 
 MODES = ("fast", "batch_invariant")

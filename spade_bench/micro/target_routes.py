@@ -85,7 +85,7 @@ def summary(runs: list[RouteRun], num_prompts: int) -> dict:
 
 async def measure(args: argparse.Namespace) -> dict:
     from spade_models.loader import ModelSource
-    from verifier_service.backends.vllm_backend import VllmEngineOptions, create_vllm_backend
+    from verifier_service.backends.vllm.backend import VllmEngineOptions, create_vllm_backend
     from verifier_service.metrics import VerifierMetrics
     from verifier_service.target_engine import create_target_engine
 

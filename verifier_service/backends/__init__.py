@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
 
 if TYPE_CHECKING:
-    from verifier_service.backends.vllm_backend import VllmEngineOptions
+    from verifier_service.backends.vllm.backend import VllmEngineOptions
     from verifier_service.settings import VerifierSettings
 
 __all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend", "vllm_engine_options"]
@@ -19,7 +19,7 @@ __all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend",
 def vllm_engine_options(settings: VerifierSettings) -> VllmEngineOptions:
     """The ``VllmEngineOptions`` the settings ask for (``--backend vllm``): model length, KV cache,
     exact route, and vLLM's own parallelism. Importable without vLLM."""
-    from verifier_service.backends.vllm_backend import VllmEngineOptions
+    from verifier_service.backends.vllm.backend import VllmEngineOptions
 
     return VllmEngineOptions(
         dtype=settings.dtype,
@@ -44,7 +44,7 @@ async def create_backend(settings: VerifierSettings) -> VerifierBackend:
         raise ValueError("--batch-invariant is a mode of --backend transformers")
     backend: VerifierBackend
     if settings.backend == "vllm":
-        from verifier_service.backends.vllm_backend import create_vllm_backend
+        from verifier_service.backends.vllm.backend import create_vllm_backend
 
         backend = await create_vllm_backend(source, vllm_engine_options(settings))
     else:

@@ -23,7 +23,7 @@ import torch
 from gateway.model import ModelDescription
 from spade_models.loader import LoadedModel, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, ForwardObserver, VerifierBackend
-from verifier_service.backends.cpu_kernels import BatchInvariance, prepare_cpu_kernels
+from verifier_service.backends.transformers.cpu.kernels import BatchInvariance, prepare_cpu_kernels
 from verifier_service.backends.transformers.plan import SchedulerLimits
 from verifier_service.backends.transformers.prefix_store import PrefixStore
 from verifier_service.backends.transformers.runner import ModelRunner

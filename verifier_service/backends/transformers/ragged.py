@@ -49,7 +49,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 
 from spade_models.attention import attention_for_call
 from spade_models.kv_cache import cache_argument_name
-from verifier_service.backends.cpu_attention import gqa_attention, rowwise_attention
+from verifier_service.backends.transformers.cpu.attention import gqa_attention, rowwise_attention
 
 RAGGED_ATTENTION = "spade_ragged"
 NO_MASK = {"full_attention": None, "sliding_attention": None}

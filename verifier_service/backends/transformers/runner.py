@@ -31,7 +31,7 @@ from spade_core.acceptance import Acceptance, accept_block
 from spade_core.sampling import emitted_logprobs, position_uniforms, processed_probs, reported_logprobs
 from spade_models.kv_cache import TokenCache
 from verifier_service.backends.base import BlockToVerify, ForwardRecord
-from verifier_service.backends.growing_cache import growing_cache
+from verifier_service.backends.transformers.growing_cache import growing_cache
 from verifier_service.backends.transformers.prefix_cache import PrefixCache
 from verifier_service.backends.transformers.prefix_store import PrefixStore
 from verifier_service.backends.transformers.ragged import RaggedCache, ragged_forward, register_ragged_attention

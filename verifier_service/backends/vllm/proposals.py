@@ -7,7 +7,7 @@ vLLM's engine-core process (one per rank under tensor parallelism), at every ste
 of the context. Here they go through a ``ProposalBoard``: one shared file mapping, one slot per
 session, written by the verifier service and read by ``SessionProposer``, the class vLLM's
 ``custom_class`` speculative method loads in the runner (``speculative_config={"method":
-"custom_class", "model": "verifier_service.backends.vllm_proposals.SessionProposer", ...}``).
+"custom_class", "model": "verifier_service.backends.vllm.proposals.SessionProposer", ...}``).
 
 Bounded: ``num_slots`` sessions, ``max_tokens`` token ids a proposal (a longer one is cut).
 

@@ -49,14 +49,14 @@ import torch
 from torch import nn
 
 from spade_models.attention import attention_implementation, set_attention_implementation
-from verifier_service.backends.cpu_attention import GQA_ATTENTION, KERNEL_ATTRIBUTE, ROWWISE_ATTENTION, register_attention
+from verifier_service.backends.transformers.cpu.attention import GQA_ATTENTION, KERNEL_ATTRIBUTE, ROWWISE_ATTENTION, register_attention
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+KERNEL_SOURCE = Path(__file__).with_name("kernels.c")
 ISA_FLAGS = {"AVX512": ("-mavx512f", "-mfma"), "AVX2": ("-mavx2", "-mfma")}
 """torch's CPU capability -> compiler flags; the C file picks its vector width from them."""
 BUILD_FLAGS = ("-O3", "-Wall", "-Wextra", "-fPIC", "-shared")

@@ -33,8 +33,8 @@ from gateway.engine import GeneratedTokens, GenerationRequest, TopLogprobs
 from gateway.errors import InvalidRequestError, ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
-from verifier_service.backends.vllm_backend import VllmBackend
-from verifier_service.backends.vllm_requests import chosen_logprob, engine_queue_seconds, token_prompt, top_entries, vllm_cache_salt
+from verifier_service.backends.vllm.backend import VllmBackend
+from verifier_service.backends.vllm.requests import chosen_logprob, engine_queue_seconds, token_prompt, top_entries, vllm_cache_salt
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
 

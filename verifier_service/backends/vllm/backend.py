@@ -86,7 +86,7 @@ from spade_core.sampling import emitted_logprobs, position_uniforms, processed_p
 from spade_models import loader
 from spade_models.loader import ModelSource, eos_token_ids, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
-from verifier_service.backends.vllm_requests import (
+from verifier_service.backends.vllm.requests import (
     GREEDY,
     RowEntry,
     computed_tokens,

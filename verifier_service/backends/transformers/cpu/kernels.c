@@ -1,6 +1,6 @@
 /* CPU kernel of the verifier's fast path: y = x W^T (+ b) for a few rows of x.
  *
- * Built at run time by verifier_service/backends/cpu_kernels.py (gcc -O3 -Wall -Wextra, AVX-512
+ * Built at run time by verifier_service/backends/transformers/cpu/kernels.py (gcc -O3 -Wall -Wextra, AVX-512
  * or AVX2+FMA, with OpenMP where the compiler has it) and called through ctypes on the model's own weights, in one of two forms:
  *
  *   dot     W is the [N, K] row-major matrix nn.Linear holds. For weights that cannot be packed
