@@ -1,8 +1,11 @@
-"""The edge's bookkeeping, in one place: what each step of a generation records in the
-request's ``spade`` stats, in the service's metrics, and in the draft-length policy (the lesson
-of each verified block). Nothing here decides what the loop does next."""
+"""The edge's bookkeeping, in one place: what each round of a generation records in the
+request's ``spade`` stats, in the service's metrics, and in its policies (the lesson of each
+verified block, the verifier's advice). The engine fills one ``BlockEntry`` a round and records it
+once (``record_block``); nothing here decides what the loop does next."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from edge_agent.draft_ahead import Drafting
 from edge_agent.draft_length import BlockOutcome
@@ -13,63 +16,104 @@ from edge_agent.verifier_client import VerifyCall
 from gateway.protocol import SpadeStats
 
 
+@dataclass
+class BlockEntry:
+    """The ledger entry of one round of the loop (draft a block, verify it while drafting ahead,
+    commit the verdict): what the engine learns as the round goes, recorded once at its end
+    (``record_block``), or by the request's end if the round never finished (the caller left, the
+    verifier went away)."""
+
+    advice_capped: bool = False
+    """The block was drafted shorter than the policy chose, because the verifier advised so."""
+    ahead_skipped: bool = False
+    """Drafting ahead under the verify call was not worth its CPU (``--edge-power``)."""
+    drafted_ahead_tokens: int = 0
+    """Tokens drafted while a verify call was in flight (or finished after its verdict)."""
+    drafted_ahead_s: float = 0.0
+    overlap_hit: bool | None = None
+    """Whether what was drafted ahead for this block starts it (None: nothing was drafted ahead)."""
+    ahead_confirmed: int = 0
+    """Tokens drafted ahead that the committed context ran through (the guess, on a hit: used)."""
+    ahead_discarded: int = 0
+    """Tokens drafted ahead thrown away (the rest start the block, counted with it)."""
+    verifier_unreachable: bool = False
+    """The verify call failed for good (the generation ends, or falls back to the draft)."""
+    block: DraftBlock | None = None
+    """The block sent; None while the round has not reached its commit."""
+    call: VerifyCall | None = None
+    """Its verdict and cost; None with a block: served unverified (``--fallback draft``)."""
+    drafting: Drafting | None = None
+    delivered: list[int] = field(default_factory=list)
+    is_recorded: bool = False
+
+    def add_drafted_ahead(self, num_tokens: int, seconds: float) -> None:
+        self.drafted_ahead_tokens += num_tokens
+        self.drafted_ahead_s += seconds
+
+    def add_ahead_outcome(self, num_confirmed: int, num_discarded: int) -> None:
+        self.ahead_confirmed += num_confirmed
+        self.ahead_discarded += num_discarded
+
+
 def record_request_started(metrics: EdgeMetrics, num_prompt_tokens: int) -> None:
     metrics.requests.inc()
     metrics.prompt_tokens.inc(num_prompt_tokens)
     metrics.active_requests.inc()
 
 
-def record_request_ended(metrics: EdgeMetrics) -> None:
+def record_request_ended(metrics: EdgeMetrics, generation: Generation, last_entry: BlockEntry) -> None:
+    """The request's end: its last round if it never reached its commit, what was still drafted
+    ahead (thrown away), and how much of its context the draft took from other requests' cached
+    prefixes (counted once, here; nothing when the draft never ran)."""
+    if last_entry.is_recorded:
+        last_entry = BlockEntry()
+    last_entry.add_ahead_outcome(0, generation.drop_ahead())
+    record_block(metrics, generation, last_entry)
     metrics.active_requests.dec()
+    if generation.is_draft_prefilled:
+        num_cached = generation.draft_session.num_cached_tokens
+        generation.stats.draft_cached_tokens = num_cached
+        metrics.draft_prompt_tokens.inc(len(generation.request.prompt_token_ids))
+        metrics.draft_prefix_hit_tokens.inc(num_cached)
 
 
-def record_draft_prefix_reuse(metrics: EdgeMetrics, generation: Generation) -> None:
-    """How much of its context the request's draft took from other requests' cached prefixes
-    (counted once, at the end; nothing when the draft never ran)."""
-    if not generation.is_draft_prefilled:
+def record_block(metrics: EdgeMetrics, generation: Generation, entry: BlockEntry) -> None:
+    """One round's entry, in the request's stats, the metrics and (with a verdict) the policies'
+    lessons and the advice the next blocks keep to; once."""
+    if entry.is_recorded:
         return
-    num_cached = generation.draft_session.num_cached_tokens
-    generation.stats.draft_cached_tokens = num_cached
-    metrics.draft_prompt_tokens.inc(len(generation.request.prompt_token_ids))
-    metrics.draft_prefix_hit_tokens.inc(num_cached)
+    entry.is_recorded = True
+    stats = generation.stats
+    if entry.advice_capped:
+        stats.advice_capped_blocks += 1
+        metrics.advice_capped_blocks.inc()
+    if entry.ahead_skipped:
+        stats.skipped_ahead_blocks += 1
+        metrics.skipped_ahead_blocks.inc()
+    metrics.draft_ahead_tokens.inc(entry.drafted_ahead_tokens)
+    stats.draft_ahead_tokens += entry.drafted_ahead_tokens
+    stats.draft_ahead_ms += entry.drafted_ahead_s * 1e3
+    if entry.overlap_hit is not None:
+        record_overlap(metrics, stats, entry.overlap_hit)
+    stats.used_draft_tokens += entry.ahead_confirmed
+    stats.discarded_ahead_tokens += entry.ahead_discarded
+    metrics.used_draft_tokens.inc(entry.ahead_confirmed)
+    metrics.discarded_ahead_tokens.inc(entry.ahead_discarded)
+    if entry.verifier_unreachable:
+        metrics.verify_failures.inc()
+    if entry.block is not None and entry.drafting is not None:
+        record_verified_block(metrics, generation, entry.block, entry.call, entry.drafting)
+    metrics.generated_tokens.inc(len(entry.delivered))
 
 
-def record_drafted_ahead(metrics: EdgeMetrics, generation: Generation, num_tokens: int, seconds: float) -> None:
-    """Tokens drafted while a verify call was in flight (or finished after its verdict)."""
-    metrics.draft_ahead_tokens.inc(num_tokens)
-    generation.stats.draft_ahead_tokens += num_tokens
-    generation.stats.draft_ahead_ms += seconds * 1e3
-
-
-def record_ahead_outcome(metrics: EdgeMetrics, generation: Generation, num_confirmed: int, num_discarded: int) -> None:
-    """What became of the tokens drafted past a block: ``num_confirmed`` the committed context
-    ran through (the guess, on a hit: used), ``num_discarded`` thrown away; the rest start the
-    next block (counted with it, as accepted or rejected)."""
-    generation.stats.used_draft_tokens += num_confirmed
-    generation.stats.discarded_ahead_tokens += num_discarded
-    metrics.used_draft_tokens.inc(num_confirmed)
-    metrics.discarded_ahead_tokens.inc(num_discarded)
-
-
-def record_ahead_skipped(metrics: EdgeMetrics, generation: Generation) -> None:
-    """A verify call under which drafting ahead was not worth its CPU (``--edge-power``)."""
-    generation.stats.skipped_ahead_blocks += 1
-    metrics.skipped_ahead_blocks.inc()
-
-
-def record_overlap(metrics: EdgeMetrics, generation: Generation, is_hit: bool) -> None:
+def record_overlap(metrics: EdgeMetrics, stats: SpadeStats, is_hit: bool) -> None:
     """A hit: what was drafted ahead starts the next block. A miss: it is rolled back, unused."""
     if is_hit:
-        generation.stats.overlap_hits += 1
+        stats.overlap_hits += 1
         metrics.overlap_hits.inc()
     else:
-        generation.stats.overlap_misses += 1
+        stats.overlap_misses += 1
         metrics.overlap_misses.inc()
-
-
-def record_unreachable_verifier(metrics: EdgeMetrics) -> None:
-    """A verify call failed for good (the generation ends, or falls back to the draft)."""
-    metrics.verify_failures.inc()
 
 
 def record_verified_block(
@@ -107,16 +151,6 @@ def record_advice(metrics: EdgeMetrics, generation: Generation, advice: int) -> 
     generation.verifier_advice = advice
     generation.stats.advised_draft_length = advice
     metrics.verifier_advice.observe(advice)
-
-
-def record_advice_cap(metrics: EdgeMetrics, generation: Generation) -> None:
-    """A block drafted shorter than the policy chose, because the verifier advised so."""
-    generation.stats.advice_capped_blocks += 1
-    metrics.advice_capped_blocks.inc()
-
-
-def record_delivered(metrics: EdgeMetrics, delivered: list[int]) -> None:
-    metrics.generated_tokens.inc(len(delivered))
 
 
 def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: Drafting) -> None:

@@ -28,19 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_agent.accounting import (
-    record_advice_cap,
-    record_ahead_outcome,
-    record_ahead_skipped,
-    record_delivered,
-    record_draft_prefix_reuse,
-    record_drafted_ahead,
-    record_overlap,
-    record_request_ended,
-    record_request_started,
-    record_unreachable_verifier,
-    record_verified_block,
-)
+from edge_agent.accounting import BlockEntry, record_block, record_request_ended, record_request_started
 from edge_agent.draft_ahead import EMPTY_BLOCK, DraftAhead, Drafting, join_blocks
 from edge_agent.draft_length import DraftLengthPolicy
 from edge_agent.draft_prefixes import request_prefix_owner
@@ -127,15 +115,17 @@ class SpeculativeEngine:
         """Per block: draft it, verify it (drafting ahead meanwhile), commit the verdict, stream
         what it delivers; until EOS or the budget. Closing the stream early ends it too."""
         generation = self._start(request, stats)
+        entry = BlockEntry()
         try:
             while not generation.is_finished:
-                block, drafting = await self._draft(generation)
-                call = await self._verify_while_drafting_ahead(generation, block)
-                delivered = self._commit(generation, block, call, drafting)
+                entry = BlockEntry()
+                block, drafting = await self._draft(generation, entry)
+                call = await self._verify_while_drafting_ahead(generation, block, entry)
+                delivered = self._commit(generation, block, call, drafting, entry)
                 if delivered:  # none when the prompt-only call fell back to the draft
                     yield generated_tokens(delivered, call if generation.wants_logprobs else None)
         finally:
-            self._finish(generation)
+            self._finish(generation, entry)
 
     def _start(self, request: GenerationRequest, stats: SpadeStats) -> Generation:
         cache_salt = wire_cache_salt(request.cache_owner, request.cache_salt)
@@ -152,25 +142,22 @@ class SpeculativeEngine:
         record_request_started(self._metrics, len(request.prompt_token_ids))
         return generation
 
-    def _finish(self, generation: Generation) -> None:
-        """Whatever ended the loop (EOS, budget, the consumer gone): free the draft cache and
-        the verifier session."""
-        record_ahead_outcome(self._metrics, generation, 0, generation.drop_ahead())
-        record_request_ended(self._metrics)
-        record_draft_prefix_reuse(self._metrics, generation)
+    def _finish(self, generation: Generation, last_entry: BlockEntry) -> None:
+        """Whatever ended the loop (EOS, budget, the consumer gone): record its last round if it
+        never reached its commit, free the draft cache and the verifier session."""
+        record_request_ended(self._metrics, generation, last_entry)
         self._close_draft_session(generation.draft_session)
         generation.verifier_session.close()
 
     # --- draft ---------------------------------------------------------------------------------
 
-    async def _draft(self, generation: Generation) -> tuple[DraftBlock, Drafting]:
+    async def _draft(self, generation: Generation, entry: BlockEntry) -> tuple[DraftBlock, Drafting]:
         """The block to verify next: what was drafted ahead for the committed context (a hit),
         completed by drafting now."""
         num_drafted, policy_length = self._block_length(generation)
-        if num_drafted < policy_length:
-            record_advice_cap(self._metrics, generation)
-        await self._settle_ahead(generation)
-        block, drafting = await self._complete_block(generation, num_drafted)
+        entry.advice_capped = num_drafted < policy_length
+        await self._settle_ahead(generation, entry)
+        block, drafting = await self._complete_block(generation, num_drafted, entry)
         generation.is_draft_prefilled = generation.is_draft_prefilled or bool(block.token_ids)
         return block, drafting
 
@@ -183,20 +170,19 @@ class SpeculativeEngine:
         policy_length = draft_length(generation.policy.next_length(), generation.num_left, room)
         return draft_length(policy_length, generation.num_left, room, generation.verifier_advice), policy_length
 
-    async def _settle_ahead(self, generation: Generation) -> None:
+    async def _settle_ahead(self, generation: Generation, entry: BlockEntry) -> None:
         """Take the token still being drafted ahead when the last verdict came, now that it is
         needed, and count whether the committed context ran through the guess."""
         ahead = generation.ahead
         if ahead is None:
             return
         added, seconds = await ahead.settle()
-        record_drafted_ahead(self._metrics, generation, len(added.token_ids), seconds)
-        is_hit = ahead.is_continued_by(generation.context)
-        record_overlap(self._metrics, generation, is_hit)
+        entry.add_drafted_ahead(len(added.token_ids), seconds)
+        is_hit = entry.overlap_hit = ahead.is_continued_by(generation.context)
         if ahead.token_ids and ahead.accepts_whole_block(generation.context):
             generation.ahead_policy.shared.observe_guess(is_hit)
 
-    async def _complete_block(self, generation: Generation, num_drafted: int) -> tuple[DraftBlock, Drafting]:
+    async def _complete_block(self, generation: Generation, num_drafted: int, entry: BlockEntry) -> tuple[DraftBlock, Drafting]:
         """What was drafted ahead for this context, completed by drafting now. A request's first
         drafted block (in line, or ahead during the prompt-only call) also prefilled the draft
         model over the prompt: no measure of drafting per token (t_draft)."""
@@ -204,7 +190,7 @@ class SpeculativeEngine:
         reused = ahead.continuation_of(context, num_drafted) if ahead is not None else EMPTY_BLOCK
         if ahead is not None:
             num_confirmed = ahead.num_confirmed(context)
-            record_ahead_outcome(self._metrics, generation, num_confirmed, len(ahead.token_ids) - num_confirmed - len(reused.token_ids))
+            entry.add_ahead_outcome(num_confirmed, len(ahead.token_ids) - num_confirmed - len(reused.token_ids))
             generation.ahead = None  # counted once: what is left of it starts the block below
         per_token_s = ahead.seconds_per_token if ahead is not None and reused.token_ids and not is_first_block else None
         if len(reused.token_ids) == num_drafted:
@@ -222,7 +208,7 @@ class SpeculativeEngine:
 
     # --- verify --------------------------------------------------------------------------------
 
-    async def _verify_while_drafting_ahead(self, generation: Generation, block: DraftBlock) -> VerifyCall | None:
+    async def _verify_while_drafting_ahead(self, generation: Generation, block: DraftBlock, entry: BlockEntry) -> VerifyCall | None:
         """Send the block; until the verdict arrives, keep drafting past it one token at a time
         (a guess of the target's next token, then the block after it). A token in progress when
         the verdict lands is left pending (``DraftAhead.settle`` takes it before the next block):
@@ -230,10 +216,9 @@ class SpeculativeEngine:
         The generation's ``ahead`` is what was drafted (discarded with it if the request ends)."""
         ahead_limit = self._ahead_limit(generation, len(block.token_ids))
         worth_limit = generation.ahead_policy.ahead_limit(len(block.token_ids), ahead_limit, not generation.is_draft_prefilled)
-        if worth_limit < ahead_limit:
-            record_ahead_skipped(self._metrics, generation)
+        entry.ahead_skipped = worth_limit < ahead_limit
         ahead_limit = worth_limit
-        verifying = asyncio.ensure_future(self._verify(generation, block))
+        verifying = asyncio.ensure_future(self._verify(generation, block, entry))
         ahead = generation.ahead = DraftAhead(generation.context + block.token_ids, [], None, 0.0)
         try:
             while len(ahead.token_ids) < ahead_limit and not verifying.done():
@@ -242,7 +227,7 @@ class SpeculativeEngine:
                 if not ahead.pending.done():
                     break
                 await ahead.settle()
-            record_drafted_ahead(self._metrics, generation, len(ahead.token_ids), ahead.seconds)
+            entry.add_drafted_ahead(len(ahead.token_ids), ahead.seconds)
             call = await verifying
         finally:
             if not verifying.done():  # the request was cancelled (client gone): so is its call
@@ -259,7 +244,7 @@ class SpeculativeEngine:
         room_after_hit = self.model.room(len(generation.context) + num_drafted + 1)
         return ahead_length(generation.policy.next_length(), generation.num_left, num_drafted, room_after_hit, generation.verifier_advice)
 
-    async def _verify(self, generation: Generation, block: DraftBlock) -> VerifyCall | None:
+    async def _verify(self, generation: Generation, block: DraftBlock, entry: BlockEntry) -> VerifyCall | None:
         """The verdict and what the call cost; None when the verifier is unreachable and the edge
         falls back to the draft (never for a request that asked for logprobs: the draft's tokens
         have no target logprob)."""
@@ -272,22 +257,24 @@ class SpeculativeEngine:
                 generation.context, block, request.sampling, request.num_top_logprobs, max_continued
             )
         except ServiceUnavailableError:
-            record_unreachable_verifier(self._metrics)
+            entry.verifier_unreachable = True
             if not self._options.fallback_to_draft or generation.wants_logprobs:
                 raise
             return None
 
     # --- commit --------------------------------------------------------------------------------
 
-    def _commit(self, generation: Generation, block: DraftBlock, call: VerifyCall | None, drafting: Drafting) -> list[int]:
-        """The call's tokens join the context; returns those to deliver. The call is recorded
-        (stats, metrics, the policy's lesson) here, once."""
-        record_verified_block(self._metrics, generation, block, call, drafting)
+    def _commit(
+        self, generation: Generation, block: DraftBlock, call: VerifyCall | None, drafting: Drafting, entry: BlockEntry
+    ) -> list[int]:
+        """The call's tokens join the context; returns those to deliver. The round is recorded
+        (stats, metrics, the policies' lessons, the verifier's advice) here, once."""
         committed = committed_tokens(block, call)
         if not committed:  # the prompt-only call fell back to the draft: nothing drafted ahead follows
-            record_ahead_outcome(self._metrics, generation, 0, generation.drop_ahead())
+            entry.add_ahead_outcome(0, generation.drop_ahead())
         delivered = generation.commit(committed)
-        record_delivered(self._metrics, delivered)
+        entry.block, entry.call, entry.drafting, entry.delivered = block, call, drafting, delivered
+        record_block(self._metrics, generation, entry)
         return delivered
 
     def _close_draft_session(self, session: DraftSession) -> None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_agent.accounting import block_outcome, count_call
+from edge_agent.accounting import BlockEntry, block_outcome, count_call, record_block, record_request_ended, record_request_started
 from edge_agent.draft_ahead import Drafting
-from edge_agent.draft_length import BlockOutcome
+from edge_agent.draft_length import BlockOutcome, FixedDraftLength
 from edge_agent.drafter import DraftLimits, ModelDrafter
-from edge_agent.generation import draft_length, num_delivered
+from edge_agent.edge_power import DraftAheadPolicy
+from edge_agent.generation import Generation, draft_length, num_delivered
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
 from gateway.protocol import SpadeStats
@@ -99,6 +100,43 @@ def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
         "bytes_sent_total": 100,
     }
     assert metrics.registry.get_sample_value("spade_edge_draft_length_sum") == 3
+
+
+def _generation() -> Generation:
+    """A generation whose draft never ran (no draft session or verifier session is touched)."""
+    return Generation(None, SpadeStats(), None, None, FixedDraftLength(4), DraftAheadPolicy().for_request(), [])
+
+
+def test_a_rounds_ledger_entry_is_recorded_once_in_the_stats_and_the_metrics():
+    metrics, generation = EdgeMetrics(), _generation()
+    entry = BlockEntry(advice_capped=True, ahead_skipped=True, overlap_hit=False, delivered=[5, 6])
+    entry.add_drafted_ahead(3, 0.5)
+    entry.add_ahead_outcome(1, 2)
+    record_block(metrics, generation, entry)
+    record_block(metrics, generation, entry)  # a second time changes nothing
+    record_request_ended(metrics, generation, entry)  # the round reached its commit: not counted again
+    stats = generation.stats
+    assert (stats.advice_capped_blocks, stats.skipped_ahead_blocks, stats.overlap_misses) == (1, 1, 1)
+    assert (stats.draft_ahead_tokens, stats.draft_ahead_ms, stats.used_draft_tokens, stats.discarded_ahead_tokens) == (3, 500.0, 1, 2)
+    value = metrics.registry.get_sample_value
+    assert value("spade_edge_generated_tokens_total") == 2
+    assert value("spade_edge_draft_ahead_tokens_total") == 3
+    assert value("spade_edge_discarded_ahead_tokens_total") == 2
+
+
+def test_a_round_cut_short_is_recorded_by_the_requests_end():
+    # The verifier went away mid-call (no --fallback draft): the round never reached its commit,
+    # and what it drafted ahead and the failed call still count.
+    metrics, generation = EdgeMetrics(), _generation()
+    record_request_started(metrics, 10)
+    entry = BlockEntry(verifier_unreachable=True)
+    entry.add_drafted_ahead(2, 0.1)
+    record_request_ended(metrics, generation, entry)
+    value = metrics.registry.get_sample_value
+    assert value("spade_edge_verify_failures_total") == 1
+    assert value("spade_edge_draft_ahead_tokens_total") == 2
+    assert value("spade_edge_active_requests") == 0
+    assert generation.stats.verify_calls == 0  # no verdict: no call counted
 
 
 # The model drafter ------------------------------------------------------------------------------
