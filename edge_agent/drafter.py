@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -207,18 +208,11 @@ class ModelDraftSession:
         """``num_tokens`` drafted tokens following ``context`` (one forward per token)."""
         with self.drafter._lock:
             entry = self.entry = self.drafter._start_entry(self, context)
-            pending = entry.reuse_for(context)
-            uniforms = position_uniforms(sampling.seed, len(context), num_tokens, stream=DRAFT_STREAM)
-            token_ids: list[int] = []
-            distributions: list[SparseDistribution] = []
-            for index in range(num_tokens):
-                logits = self._forward(entry, pending)
-                token_id, distribution = self._choose(logits, sampling, float(uniforms[index, 0]))
-                token_ids.append(token_id)
-                if distribution is not None:
-                    distributions.append(distribution)
-                pending = [token_id]
-            return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
+
+            def next_token(input_ids: list[int], uniform: float | None) -> tuple[int, SparseDistribution | None]:
+                return self._choose(self._forward(entry, input_ids), sampling, uniform)
+
+            return draft_block(entry.reuse_for(context), len(context), num_tokens, sampling, next_token)
 
     def close(self) -> None:
         """Hand the cache to the drafter's retained prefixes (idempotent)."""
@@ -242,10 +236,39 @@ class ModelDraftSession:
             logits = logits.masked_fill(beyond_limit, float("-inf"))
         return logits
 
-    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, uniform: float) -> tuple[int, SparseDistribution | None]:
+    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, uniform: float | None) -> tuple[int, SparseDistribution | None]:
         if sampling.is_greedy:
             return int(logits.argmax()), None
+        if uniform is None:
+            raise ValueError("a sampled draft token needs its uniform draw")
         return sample_draft_token(logits, sampling, uniform, self.drafter.limits.max_support)
+
+
+def draft_block(
+    uncached: list[int],
+    context_length: int,
+    num_tokens: int,
+    sampling: SamplingConfig,
+    next_token: Callable[[list[int], float | None], tuple[int, SparseDistribution | None]],
+) -> DraftBlock:
+    """The propose loop every drafter shares: ``num_tokens`` tokens after a context of
+    ``context_length``, one forward each. ``next_token(input_ids, uniform)`` feeds ``input_ids``
+    after the drafter's cache (first the context's ``uncached`` tail, then each drafted token) and
+    chooses the next token with its distribution (None when greedy). At temperature > 0 the
+    position's uniform draw comes from the request's seed and the token's absolute position
+    (``position_uniforms``, the draft's own stream), so a block is the same however the blocks
+    before it were cut."""
+    uniforms = None if sampling.is_greedy else position_uniforms(sampling.seed, context_length, num_tokens, stream=DRAFT_STREAM)
+    token_ids: list[int] = []
+    distributions: list[SparseDistribution] = []
+    pending = uncached
+    for index in range(num_tokens):
+        token_id, distribution = next_token(pending, None if uniforms is None else float(uniforms[index, 0]))
+        token_ids.append(token_id)
+        if distribution is not None:
+            distributions.append(distribution)
+        pending = [token_id]
+    return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
 
 
 def sample_draft_token(logits: torch.Tensor, sampling: SamplingConfig, uniform: float, max_support: int) -> tuple[int, SparseDistribution]:

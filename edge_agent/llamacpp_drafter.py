@@ -54,10 +54,9 @@ import numpy as np
 import torch
 
 from edge_agent.draft_prefixes import CellLedger, PrefixMatch, Retained, RetainedPrefixes, longest_prefix
-from edge_agent.drafter import DRAFT_STREAM, DraftBlock, DraftContexts, DraftLimits, sample_draft_token
+from edge_agent.drafter import DraftBlock, DraftContexts, DraftLimits, draft_block, sample_draft_token
 from gateway.errors import InvalidRequestError, OverloadedError
 from spade_core.params import SamplingConfig
-from spade_core.sampling import position_uniforms
 from spade_models.kv_cache import common_prefix_length
 from spade_models.loader import ModelSource, gguf_file_path, load_tokenizer
 from verifier_service.protocol import SparseDistribution
@@ -240,18 +239,12 @@ class LlamaCppDrafter:
     def _propose(self, session: LlamaCppDraftSession, context: list[int], num_tokens: int, sampling: SamplingConfig) -> DraftBlock:
         with self._lock:
             self._check_usable(session, context, num_tokens)
-            pending = self._reuse_prefix(session, context)
-            uniforms = None if sampling.is_greedy else position_uniforms(sampling.seed, len(context), num_tokens, stream=DRAFT_STREAM)
-            token_ids: list[int] = []
-            distributions: list[SparseDistribution] = []
-            for index in range(num_tokens):
-                self._feed(session, pending)
-                token_id, distribution = self._choose(sampling, None if uniforms is None else float(uniforms[index, 0]))
-                token_ids.append(token_id)
-                if distribution is not None:
-                    distributions.append(distribution)
-                pending = [token_id]
-            return DraftBlock(token_ids, None if sampling.is_greedy else distributions)
+
+            def next_token(token_ids: list[int], uniform: float | None) -> tuple[int, SparseDistribution | None]:
+                self._feed(session, token_ids)
+                return self._choose(sampling, uniform)
+
+            return draft_block(self._reuse_prefix(session, context), len(context), num_tokens, sampling, next_token)
 
     def _is_live(self, session: LlamaCppDraftSession) -> bool:
         """Open, in an open drafter (a closed session's sequence id may serve another one now)."""
