@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge_agent.draft_ahead import Drafting
-from edge_agent.draft_length import BlockOutcome
 from edge_agent.drafter import DraftBlock
+from edge_agent.estimates import BlockOutcome
 from edge_agent.generation import Generation
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
@@ -120,7 +120,7 @@ def record_verified_block(
     metrics: EdgeMetrics, generation: Generation, block: DraftBlock, call: VerifyCall | None, drafting: Drafting
 ) -> None:
     """One block sent for verification: its verdict counted in the request's stats and the
-    metrics, and taught to the draft-length policy; with no verdict (verifier unreachable,
+    metrics, and taught to the request's estimate (both policies read it); with no verdict (verifier unreachable,
     ``--fallback draft``) its tokens counted as served unverified."""
     num_drafted = len(block.token_ids)
     if call is None:
@@ -132,18 +132,8 @@ def record_verified_block(
         return
     count_call(generation.stats, call, num_drafted, drafting)
     metrics.observe_call(call, num_drafted, drafting.exposed_s)
-    outcome = block_outcome(call, num_drafted, drafting)
-    generation.policy.observe(outcome)
-    teach_ahead_policy(generation, outcome)
+    generation.estimate.observe(block_outcome(call, num_drafted, drafting))
     record_advice(metrics, generation, call.verdict.advised_draft_length)
-
-
-def teach_ahead_policy(generation: Generation, outcome: BlockOutcome) -> None:
-    """The drafting-ahead policy learns the request's acceptance, the draft's speed and the
-    round trip of a block (a call that also prefilled context is no block's round trip)."""
-    generation.ahead_policy.observe_block(outcome.num_drafted, outcome.num_accepted)
-    round_trip_s = outcome.round_trip_s if outcome.is_block_only and outcome.num_drafted > 0 else None
-    generation.ahead_policy.shared.observe_times(outcome.draft_s_per_token, round_trip_s)
 
 
 def record_advice(metrics: EdgeMetrics, generation: Generation, advice: int) -> None:
@@ -171,7 +161,7 @@ def count_call(stats: SpadeStats, call: VerifyCall, num_drafted: int, drafting: 
 
 
 def block_outcome(call: VerifyCall, num_drafted: int, drafting: Drafting) -> BlockOutcome:
-    """What the verified block teaches the draft-length policy."""
+    """What the verified block teaches the request's estimate."""
     verdict = call.verdict
     verifier_s = verdict.timings.total_ms / 1e3
     return BlockOutcome(

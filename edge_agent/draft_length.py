@@ -14,7 +14,8 @@ second of wall time:
 
 a is the per-token acceptance rate, estimated online per request from a prior that carries over
 from earlier requests; t_link is the round trip minus the verifier's own time; t_verify(d) is the
-verifier's time for a block of d, learned per length and interpolated by a line (on a CPU a
+verifier's time for a block of d, learned per length and interpolated by a line (all of them the
+edge's one set of estimates, ``estimates``, which the drafting-ahead policy reads too) (on a CPU a
 longer block costs more, on a GPU almost nothing more). Without overlap the drafting is exposed:
 exposed_draft(d) = d * t_draft. With overlap the edge drafts the next block while this one is
 verified; that work is used only when the whole block is accepted and the target's next token
@@ -31,10 +32,10 @@ Long round trips favour long blocks; poor acceptance and slow drafting favour sh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from edge_agent.tuning import TUNING
+from edge_agent.estimates import EdgeEstimates, RequestEstimate
 from spade_core.block_yield import expected_tokens
 
 
@@ -68,71 +69,6 @@ def tokens_per_s(
 
 
 @dataclass
-class VerifyTimeCurve:
-    """t_verify(d): the verifier's time for a block of d drafted tokens, learned per length
-    (moving averages) and read off a weighted least-squares line through them."""
-
-    prior_s: float = TUNING.verify_s_prior
-    """t_verify(1) until something is measured."""
-    smoothing: float = TUNING.smoothing
-    points: dict[int, tuple[float, int]] = field(default_factory=dict)
-    """draft length -> (moving average of its seconds, observations)."""
-
-    def observe(self, num_drafted: int, seconds: float) -> None:
-        average, count = self.points.get(num_drafted, (seconds, 0))
-        self.points[num_drafted] = ((1 - self.smoothing) * average + self.smoothing * seconds, count + 1)
-
-    def seconds(self, num_drafted: int) -> float:
-        intercept, slope = self.line()
-        return max(0.0, intercept + slope * num_drafted)
-
-    def line(self) -> tuple[float, float]:
-        """(intercept, slope) of t_verify(d) = intercept + slope * d."""
-        if not self.points:
-            return self._through(1, self.prior_s)
-        if len(self.points) == 1:
-            ((length, (average, _)),) = self.points.items()
-            return self._through(length, average)
-        weights = {length: min(count, TUNING.max_point_weight) for length, (_, count) in self.points.items()}
-        total = sum(weights.values())
-        mean_d = sum(weight * length for length, weight in weights.items()) / total
-        mean_t = sum(weights[length] * average for length, (average, _) in self.points.items()) / total
-        spread = sum(weight * (length - mean_d) ** 2 for length, weight in weights.items())
-        covariance = sum(weights[length] * (length - mean_d) * (average - mean_t) for length, (average, _) in self.points.items())
-        slope = max(0.0, covariance / spread)  # a longer block never costs less
-        return mean_t - slope * mean_d, slope
-
-    @staticmethod
-    def _through(length: int, seconds: float) -> tuple[float, float]:
-        """A line through one point with the default relative slope: t(d) = t(1) * (1 + s (d - 1))."""
-        one_token_s = seconds / (1 + TUNING.relative_slope_prior * (length - 1))
-        slope = TUNING.relative_slope_prior * one_token_s
-        return one_token_s - slope, slope
-
-
-@dataclass(frozen=True)
-class BlockOutcome:
-    """What one verified block taught: acceptance and the three times of the speed model."""
-
-    num_drafted: int
-    num_accepted: int
-    draft_s_per_token: float | None
-    """Measured drafting time per token (None when nothing was drafted for this block)."""
-    round_trip_s: float
-    verifier_s: float
-    """The verifier's own time for the call (its ``timings.total_ms``): round trip - link."""
-    num_target_tokens: int | None = None
-    """Tokens in the target's forward for the call (the response's ``num_target_tokens``): the
-    block and the token before it, or more when the call also prefilled context (a request's
-    first call, a resync). None: not known."""
-
-    @property
-    def is_block_only(self) -> bool:
-        """Whether the verifier's time is that of the block alone, with no prefill in it."""
-        return self.num_target_tokens is None or self.num_target_tokens <= self.num_drafted + 1
-
-
-@dataclass
 class FixedDraftLength:
     length: int
 
@@ -140,7 +76,8 @@ class FixedDraftLength:
         if self.length < 1:
             raise ValueError(f"draft length must be >= 1, got {self.length}")
 
-    def for_request(self) -> FixedDraftLength:
+    def for_request(self, estimate: RequestEstimate | None = None) -> FixedDraftLength:
+        """A fixed length is its own request's policy (it reads no estimate)."""
         return self
 
     def within(self, limit: int) -> FixedDraftLength:
@@ -150,120 +87,53 @@ class FixedDraftLength:
     def next_length(self) -> int:
         return self.length
 
-    def observe(self, outcome: BlockOutcome) -> None:
-        """A fixed length learns nothing."""
 
-
-@dataclass
+@dataclass(frozen=True)
 class AdaptiveDraftLength:
-    """The service-wide state of the adaptive rule: timings (a property of the machines and the
-    link, shared by all requests) and the acceptance prior a new request starts from."""
+    """The adaptive rule: the block length that maximises expected tokens per second, on the
+    edge's estimates (``estimates``: a request's acceptance, the service's draft speed, link and
+    t_verify(d)). Holds no state of its own: what it learns is the estimates'."""
 
     max_length: int = 16
     overlap: bool = False
     """Whether the engine drafts ahead while a block is verified (changes the cost model)."""
-    smoothing: float = TUNING.smoothing
-    """Weight of the newest observation in a request's moving averages."""
-    prior_smoothing: float = TUNING.prior_smoothing
-    """Weight of each block in the acceptance prior carried across requests."""
-    prior_trials: float = TUNING.prior_trials
-    """How many blocks' worth of trials the prior counts for in a new request's estimate."""
-    initial_acceptance: float = TUNING.acceptance_prior
-    """The acceptance prior before any block was verified."""
-    draft_s_per_token: float = TUNING.draft_s_per_token_prior
-    link_s: float = TUNING.link_s_prior
-    verify_curve: VerifyTimeCurve = field(default_factory=VerifyTimeCurve)
-    prior_accepted: float = field(init=False)
-    prior_trials_per_block: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.max_length < 1 or not 0 < self.smoothing <= 1 or not 0 < self.prior_smoothing <= 1:
-            raise ValueError("max_length must be >= 1 and smoothing, prior_smoothing in (0, 1]")
-        if not 0 <= self.initial_acceptance < 1:
-            raise ValueError("initial_acceptance must be in [0, 1)")
-        self.prior_accepted, self.prior_trials_per_block = self.initial_acceptance, 1.0
+        if self.max_length < 1:
+            raise ValueError("max_length must be >= 1")
 
-    @property
-    def acceptance_prior(self) -> float:
-        """Accepted / trials over recent blocks of all requests (ratio of moving averages)."""
-        return self.prior_accepted / self.prior_trials_per_block
-
-    def for_request(self) -> RequestDraftLength:
-        return RequestDraftLength(self)
+    def for_request(self, estimate: RequestEstimate) -> RequestDraftLength:
+        return RequestDraftLength(self, estimate)
 
     def within(self, limit: int) -> AdaptiveDraftLength:
         """The same rule choosing at most ``limit`` (the verifier's longest block)."""
         return replace(self, max_length=min(self.max_length, limit))
 
-    def best_length(self, acceptance_rate: float) -> int:
+    def best_length(self, acceptance_rate: float, estimates: EdgeEstimates) -> int:
         """argmax over d in [1, max_length] of expected tokens per second."""
 
         def rate(num_drafted: int) -> float:
-            verify_s = self.verify_curve.seconds(num_drafted)
-            return tokens_per_s(num_drafted, acceptance_rate, self.draft_s_per_token, self.link_s, verify_s, self.overlap)
+            verify_s = estimates.verify_curve.seconds(num_drafted)
+            return tokens_per_s(num_drafted, acceptance_rate, estimates.draft_s_per_token, estimates.link_s, verify_s, self.overlap)
 
         return max(range(1, self.max_length + 1), key=rate)
 
-    def observe_times(self, outcome: BlockOutcome) -> None:
-        """Learn t_draft, t_link and t_verify(d). A call that also prefilled context (a prompt
-        of hundreds of tokens: seconds, against a block's fraction of one) says nothing about
-        t_verify(d), and once averaged in it would read as "this length is slow" for many blocks."""
-        if outcome.draft_s_per_token is not None:
-            self.draft_s_per_token = self._blend(self.draft_s_per_token, outcome.draft_s_per_token)
-        self.link_s = self._blend(self.link_s, max(0.0, outcome.round_trip_s - outcome.verifier_s))
-        if outcome.is_block_only:
-            self.verify_curve.observe(outcome.num_drafted, outcome.verifier_s)
 
-    def observe_acceptance(self, num_accepted: int, trials: int) -> None:
-        weight = self.prior_smoothing
-        self.prior_accepted = (1 - weight) * self.prior_accepted + weight * num_accepted
-        self.prior_trials_per_block = (1 - weight) * self.prior_trials_per_block + weight * trials
-
-    def _blend(self, old: float, new: float) -> float:
-        return (1 - self.smoothing) * old + self.smoothing * new
-
-
-@dataclass
+@dataclass(frozen=True)
 class RequestDraftLength:
-    """One request's policy: its own acceptance estimate, started from the shared prior."""
+    """One request's adaptive rule: the rule on the request's own estimate."""
 
-    shared: AdaptiveDraftLength
-    accepted_per_block: float = field(init=False)
-    trials_per_block: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        # The prior counts as prior_trials trials at the prior rate.
-        self.trials_per_block = self.shared.prior_trials
-        self.accepted_per_block = self.shared.acceptance_prior * self.shared.prior_trials
-
-    @property
-    def acceptance_rate(self) -> float:
-        return min(0.99, self.accepted_per_block / self.trials_per_block)
+    rule: AdaptiveDraftLength
+    estimate: RequestEstimate
 
     def next_length(self) -> int:
-        return self.shared.best_length(self.acceptance_rate)
-
-    def observe(self, outcome: BlockOutcome) -> None:
-        # A block of 0 (the prompt-only first call) teaches nothing: no drafted token was tried,
-        # and its verifier time is the target's prefill of the whole prompt, not t_verify(0).
-        if outcome.num_drafted < 1:
-            return
-        # Each drafted token up to the first rejection is one trial of rate a (all accepted: d
-        # trials). The estimate is the ratio of the averages, accepted / trials, which converges
-        # to a; the average of the per-block ratios k / (k + 1) does not (it reads a = 0.8 as
-        # about 0.6 with blocks of 16, and so picks blocks too short).
-        trials = outcome.num_accepted + (0 if outcome.num_accepted == outcome.num_drafted else 1)
-        smoothing = self.shared.smoothing
-        self.accepted_per_block = (1 - smoothing) * self.accepted_per_block + smoothing * outcome.num_accepted
-        self.trials_per_block = (1 - smoothing) * self.trials_per_block + smoothing * trials
-        self.shared.observe_acceptance(outcome.num_accepted, trials)
-        self.shared.observe_times(outcome)
+        return self.rule.best_length(self.estimate.acceptance_rate, self.estimate.shared)
 
 
 DraftLengthPolicy = FixedDraftLength | AdaptiveDraftLength
-"""What chooses the draft length, service-wide: ``for_request()`` gives one request's own policy
-(a fixed length is its own), which answers ``next_length()`` before each block and
-``observe``s each verified block."""
+"""What chooses the draft length, service-wide: ``for_request(estimate)`` gives one request's own
+policy (a fixed length is its own), which answers ``next_length()`` before each block from the
+request's estimate (``estimates.RequestEstimate``, which learns from each verified block)."""
 
 
 def parse_draft_length(value: object) -> int | Literal["auto"]:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
+from edge_agent.estimates import EdgeEstimates, RequestEstimate
 from edge_agent.tuning import TUNING
 
 EdgePower = Literal["performance", "balanced", "saver"]
@@ -56,21 +57,14 @@ def expected_saving_per_cpu_s(hit_probability: float, num_ahead: int) -> float:
     return saving / num_ahead
 
 
-@dataclass
+@dataclass(frozen=True)
 class DraftAheadPolicy:
-    """The service-wide half of the drafting-ahead policy (``--edge-power``): the draft's speed,
-    the round trip of a block and the rate at which the target's next token is the draft's guess
-    (timings are the machines' and the link's, shared by every request), and the acceptance
-    prior a request starts from. Each request asks its own ``for_request()``."""
+    """The drafting-ahead policy (``--edge-power``), service-wide: the bar a CPU-second of drafting
+    ahead must clear. What it weighs (a request's acceptance, the draft's speed, a block's round
+    trip, the guess rate) is the edge's one set of estimates (``estimates``), which the
+    draft-length policy reads too. Each request asks its own ``for_request(estimate)``."""
 
     power: EdgePower = DEFAULT_EDGE_POWER
-    smoothing: float = TUNING.smoothing
-    draft_s_per_token: float = TUNING.draft_s_per_token_prior
-    round_trip_s: float = TUNING.round_trip_s_prior
-    """A block's verify round trip (link + verifier), block-only calls."""
-    acceptance_prior: float = TUNING.acceptance_prior
-    guess_rate: float = TUNING.guess_rate_prior
-    """Share of full acceptances whose next token was the draft's guess (measured where one was drafted)."""
 
     def __post_init__(self) -> None:
         if self.power not in MIN_SAVING_PER_CPU_S:
@@ -80,49 +74,26 @@ class DraftAheadPolicy:
     def min_saving_per_cpu_s(self) -> float:
         return MIN_SAVING_PER_CPU_S[self.power]
 
-    def for_request(self) -> RequestDraftAhead:
-        return RequestDraftAhead(self)
-
-    def fitting_tokens(self) -> int:
-        """Tokens drafted ahead before the verdict lands (the loop stops there), at least one."""
-        return max(1, math.ceil(self.round_trip_s / max(self.draft_s_per_token, 1e-6)))
-
-    def observe_times(self, draft_s_per_token: float | None, round_trip_s: float | None) -> None:
-        if draft_s_per_token is not None:
-            self.draft_s_per_token = self._blend(self.draft_s_per_token, draft_s_per_token)
-        if round_trip_s is not None:
-            self.round_trip_s = self._blend(self.round_trip_s, round_trip_s)
-
-    def observe_guess(self, is_right: bool) -> None:
-        self.guess_rate = self._blend(self.guess_rate, float(is_right))
-
-    def observe_acceptance(self, acceptance_rate: float) -> None:
-        self.acceptance_prior = self._blend(self.acceptance_prior, acceptance_rate)
-
-    def _blend(self, old: float, new: float) -> float:
-        return (1 - self.smoothing) * old + self.smoothing * new
+    def for_request(self, estimate: RequestEstimate) -> RequestDraftAhead:
+        return RequestDraftAhead(self, estimate)
 
 
-@dataclass
+def fitting_tokens(estimates: EdgeEstimates) -> int:
+    """Tokens drafted ahead before the verdict lands (the loop stops there), at least one."""
+    return max(1, math.ceil(estimates.round_trip_s / max(estimates.draft_s_per_token, 1e-6)))
+
+
+@dataclass(frozen=True)
 class RequestDraftAhead:
-    """One request's drafting-ahead decisions: its own acceptance rate (accepted / trials, as
-    ``draft_length.RequestDraftLength`` counts them), started from the shared prior."""
+    """One request's drafting-ahead decisions, on the request's own estimate."""
 
-    shared: DraftAheadPolicy
-    accepted_per_block: float = field(init=False)
-    trials_per_block: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.accepted_per_block, self.trials_per_block = self.shared.acceptance_prior, 1.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return min(0.99, self.accepted_per_block / self.trials_per_block)
+    policy: DraftAheadPolicy
+    estimate: RequestEstimate
 
     def hit_probability(self, num_drafted: int) -> float:
         """Chance that the block's verdict runs through the guess: all ``num_drafted`` accepted
         (a^d), then the target's next token is the guess (measured, service-wide)."""
-        return self.acceptance_rate**num_drafted * self.shared.guess_rate
+        return self.estimate.acceptance_rate**num_drafted * self.estimate.shared.guess_rate
 
     def ahead_limit(self, num_drafted: int, limit: int, prefills_draft: bool) -> int:
         """Of the ``limit`` tokens the engine could draft past a block of ``num_drafted`` while it
@@ -130,18 +101,8 @@ class RequestDraftAhead:
         the tokens drafted, so a part is never better than the whole that fits the round trip),
         and always the first when its forward is the draft's prefill of the prompt, which is due
         anyway (then only its guess could be wasted)."""
-        if limit < 1 or self.shared.power == "performance":
+        if limit < 1 or self.policy.power == "performance":
             return limit
-        num_ahead = min(limit, self.shared.fitting_tokens())
-        worth = expected_saving_per_cpu_s(self.hit_probability(num_drafted), num_ahead) >= self.shared.min_saving_per_cpu_s
+        num_ahead = min(limit, fitting_tokens(self.estimate.shared))
+        worth = expected_saving_per_cpu_s(self.hit_probability(num_drafted), num_ahead) >= self.policy.min_saving_per_cpu_s
         return limit if worth else (1 if prefills_draft else 0)
-
-    def observe_block(self, num_drafted: int, num_accepted: int) -> None:
-        """One verified block: each drafted token up to the first rejection is a trial."""
-        if num_drafted < 1:
-            return
-        trials = num_accepted + (0 if num_accepted == num_drafted else 1)
-        smoothing = self.shared.smoothing
-        self.accepted_per_block = (1 - smoothing) * self.accepted_per_block + smoothing * num_accepted
-        self.trials_per_block = (1 - smoothing) * self.trials_per_block + smoothing * trials
-        self.shared.observe_acceptance(self.acceptance_rate)

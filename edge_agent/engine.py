@@ -34,6 +34,7 @@ from edge_agent.draft_length import DraftLengthPolicy
 from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.drafter import DraftBlock, Drafter, DraftSession
 from edge_agent.edge_power import DraftAheadPolicy
+from edge_agent.estimates import EdgeEstimates
 from edge_agent.generation import Generation, ahead_length, draft_length
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifierClient, VerifyCall, wire_cache_salt
@@ -59,10 +60,13 @@ class EngineOptions:
     ``--prefill-first``, ``--max-continued-tokens``)."""
 
     draft_length_policy: DraftLengthPolicy
-    """Chooses each block's length (service-wide; each request gets its own ``for_request()``)."""
+    """Chooses each block's length (service-wide; each request gets its own ``for_request``)."""
     draft_ahead_policy: DraftAheadPolicy = field(default_factory=lambda: DraftAheadPolicy("performance"))
     """How far to draft ahead under a verify call (``--edge-power``; each request gets its own
-    ``for_request()``); it changes when the edge drafts, never what it outputs."""
+    ``for_request``); it changes when the edge drafts, never what it outputs."""
+    estimates: EdgeEstimates = field(default_factory=EdgeEstimates)
+    """What the edge has measured (timings, the acceptance prior, the guess rate), service-wide;
+    each request's estimate starts from it and teaches it, and both policies read that."""
     fallback_to_draft: bool = field(default=False, kw_only=True)
     """With the verifier unreachable, serve the draft's block unverified instead of failing."""
     overlap: bool = field(default=False, kw_only=True)
@@ -129,13 +133,15 @@ class SpeculativeEngine:
 
     def _start(self, request: GenerationRequest, stats: SpadeStats) -> Generation:
         cache_salt = wire_cache_salt(request.cache_owner, request.cache_salt)
+        estimate = self._options.estimates.for_request()
         generation = Generation(
             request,
             stats,
             draft_session=self._drafter.start_session(request_prefix_owner(request)),
             verifier_session=self._client.open_session(cache_salt, route_key(request.prefix_key, cache_salt)),
-            policy=self._options.draft_length_policy.for_request(),
-            ahead_policy=self._options.draft_ahead_policy.for_request(),
+            estimate=estimate,
+            policy=self._options.draft_length_policy.for_request(estimate),
+            ahead_policy=self._options.draft_ahead_policy.for_request(estimate),
             context=list(request.prompt_token_ids),
             sends_prompt_only=self._options.prefill_first,
         )
@@ -180,7 +186,7 @@ class SpeculativeEngine:
         entry.add_drafted_ahead(len(added.token_ids), seconds)
         is_hit = entry.overlap_hit = ahead.is_continued_by(generation.context)
         if ahead.token_ids and ahead.accepts_whole_block(generation.context):
-            generation.ahead_policy.shared.observe_guess(is_hit)
+            generation.estimate.shared.observe_guess(is_hit)
 
     async def _complete_block(self, generation: Generation, num_drafted: int, entry: BlockEntry) -> tuple[DraftBlock, Drafting]:
         """What was drafted ahead for this context, completed by drafting now. A request's first

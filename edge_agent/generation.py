@@ -14,6 +14,7 @@ from edge_agent.draft_ahead import DraftAhead
 from edge_agent.draft_length import FixedDraftLength, RequestDraftLength
 from edge_agent.drafter import DraftSession
 from edge_agent.edge_power import RequestDraftAhead
+from edge_agent.estimates import RequestEstimate
 from edge_agent.verifier_client import VerifierSession
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
@@ -60,8 +61,11 @@ class Generation:
     """The request's own account (the ``spade`` object of its response)."""
     draft_session: DraftSession
     verifier_session: VerifierSession
+    estimate: RequestEstimate
+    """What the request knows of its acceptance (and, shared, of the edge's timings): both
+    policies read it; it learns from each verified block."""
     policy: FixedDraftLength | RequestDraftLength
-    """The request's draft-length policy: ``next_length()`` before a block, ``observe`` after."""
+    """The request's draft-length policy: ``next_length()`` before a block."""
     ahead_policy: RequestDraftAhead
     """How far the request drafts ahead under a verify call (``--edge-power``): ``ahead_limit``."""
     context: list[int]

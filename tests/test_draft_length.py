@@ -9,14 +9,14 @@ import pytest
 
 from edge_agent.draft_length import (
     AdaptiveDraftLength,
-    BlockOutcome,
     FixedDraftLength,
-    VerifyTimeCurve,
+    RequestDraftLength,
     draft_length_policy,
     exposed_draft_s,
     parse_draft_length,
     tokens_per_s,
 )
+from edge_agent.estimates import BlockOutcome, EdgeEstimates, VerifyTimeCurve
 from edge_agent.settings import EdgeSettings
 from spade_core.block_yield import expected_tokens
 
@@ -63,12 +63,26 @@ def _brute_force_best(acceptance_rate, draft_s, link_s, verify_line, max_length,
     return best
 
 
-def _controller(acceptance_rate, draft_s, link_s, verify_line, max_length=16, overlap=False) -> AdaptiveDraftLength:
-    """A controller with injected estimates: timings set, the verify curve two exact points."""
-    controller = AdaptiveDraftLength(max_length=max_length, overlap=overlap, draft_s_per_token=draft_s, link_s=link_s)
-    intercept, slope = verify_line
-    controller.verify_curve.points = {1: (intercept + slope, 5), 8: (intercept + 8 * slope, 5)}
-    return controller
+class _Controller:
+    """The adaptive rule on injected estimates: timings set, the verify curve two exact points."""
+
+    def __init__(self, draft_s, link_s, verify_line, max_length=16, overlap=False) -> None:
+        self.rule = AdaptiveDraftLength(max_length=max_length, overlap=overlap)
+        self.estimates = EdgeEstimates(draft_s_per_token=draft_s, link_s=link_s)
+        intercept, slope = verify_line
+        self.estimates.verify_curve.points = {1: (intercept + slope, 5), 8: (intercept + 8 * slope, 5)}
+
+    def best_length(self, acceptance_rate: float) -> int:
+        return self.rule.best_length(acceptance_rate, self.estimates)
+
+
+def _controller(acceptance_rate, draft_s, link_s, verify_line, max_length=16, overlap=False) -> _Controller:
+    return _Controller(draft_s, link_s, verify_line, max_length, overlap)
+
+
+def _request(estimates: EdgeEstimates | None = None, max_length: int = 16, overlap: bool = False) -> RequestDraftLength:
+    """One request's adaptive rule on its own estimate, started from ``estimates``."""
+    return AdaptiveDraftLength(max_length=max_length, overlap=overlap).for_request((estimates or EdgeEstimates()).for_request())
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
@@ -167,58 +181,58 @@ def _feed(
         while num_accepted < num_drafted and rng.random() < acceptance:
             num_accepted += 1
         verifier_s = verify_line[0] + verify_line[1] * num_drafted
-        request_controller.observe(BlockOutcome(num_drafted, num_accepted, draft_s, verifier_s + link_s, verifier_s))
+        request_controller.estimate.observe(BlockOutcome(num_drafted, num_accepted, draft_s, verifier_s + link_s, verifier_s))
         lengths.append(num_drafted)
     return lengths
 
 
 def test_acceptance_estimate_converges_to_the_true_rate():
     # Regression: averaging per-block estimates k / (k + 1) read a rate of 0.8 as about 0.6.
-    request = AdaptiveDraftLength(smoothing=0.02).for_request()
+    request = _request(EdgeEstimates(smoothing=0.02))
     _feed(request, acceptance=0.8, blocks=2000)
-    assert request.acceptance_rate == pytest.approx(0.8, abs=0.05)
+    assert request.estimate.acceptance_rate == pytest.approx(0.8, abs=0.05)
 
 
 def test_the_controller_learns_the_measured_times():
-    shared = AdaptiveDraftLength()
-    _feed(shared.for_request(), acceptance=0.5, blocks=300, draft_s=0.004, link_s=0.03, verify_line=(0.2, 0.01))
+    shared = EdgeEstimates()
+    _feed(_request(shared), acceptance=0.5, blocks=300, draft_s=0.004, link_s=0.03, verify_line=(0.2, 0.01))
     assert (shared.draft_s_per_token, shared.link_s) == (pytest.approx(0.004), pytest.approx(0.03))
     assert shared.verify_curve.line() == (pytest.approx(0.2), pytest.approx(0.01))
 
 
 def test_the_length_adapts_within_a_request_when_acceptance_changes():
-    request = AdaptiveDraftLength(max_length=16).for_request()
+    request = _request(max_length=16)
     high = _feed(request, acceptance=0.95, blocks=60)
     low = _feed(request, acceptance=0.1, blocks=60, seed=1)
     assert sum(high[-10:]) / 10 >= 8 and low[-10:] == [1] * 10
 
 
 def test_a_new_request_starts_from_the_prior_of_earlier_requests():
-    shared = AdaptiveDraftLength(max_length=16)
+    shared = EdgeEstimates()
     for seed in range(5):
-        _feed(shared.for_request(), acceptance=0.2, blocks=60, seed=seed)
+        _feed(_request(shared), acceptance=0.2, blocks=60, seed=seed)
     assert shared.acceptance_prior == pytest.approx(0.2, abs=0.07)
-    assert shared.for_request().next_length() == 1
+    assert _request(shared).next_length() == 1
 
 
 def test_a_requests_own_acceptance_does_not_leak_into_another_request():
-    shared = AdaptiveDraftLength(max_length=16)
-    first, second = shared.for_request(), shared.for_request()
+    shared = EdgeEstimates()
+    first, second = _request(shared), _request(shared)
     _feed(first, acceptance=0.05, blocks=30)
-    assert first.acceptance_rate < 0.2 and second.acceptance_rate == pytest.approx(0.7)
+    assert first.estimate.acceptance_rate < 0.2 and second.estimate.acceptance_rate == pytest.approx(0.7)
 
 
 def test_an_empty_block_teaches_nothing():
-    shared = AdaptiveDraftLength()
-    request = shared.for_request()
-    request.observe(BlockOutcome(0, 0, None, 0.0, 0.0))
-    assert (request.acceptance_rate, shared) == (pytest.approx(0.7), AdaptiveDraftLength())
+    shared = EdgeEstimates()
+    request = _request(shared)
+    request.estimate.observe(BlockOutcome(0, 0, None, 0.0, 0.0))
+    assert (request.estimate.acceptance_rate, shared) == (pytest.approx(0.7), EdgeEstimates())
 
 
-def test_fixed_length_learns_nothing():
-    controller = FixedDraftLength(5)
-    controller.for_request().observe(BlockOutcome(5, 0, 10.0, 10.0, 1.0))
-    assert controller.for_request().next_length() == 5
+def test_fixed_length_reads_no_estimate():
+    estimate = EdgeEstimates().for_request()
+    estimate.observe(BlockOutcome(5, 0, 10.0, 10.0, 1.0))
+    assert FixedDraftLength(5).for_request(estimate).next_length() == 5
 
 
 @pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), (" AUTO ", "auto"), ("5", 5), (" 7 ", 7), (3, 3)])
@@ -261,28 +275,34 @@ def test_the_verifiers_limit_caps_the_policy(policy, expected):
     assert policy.within(2) == expected
 
 
-@pytest.mark.parametrize("arguments", [dict(max_length=0), dict(smoothing=0.0), dict(smoothing=1.5), dict(initial_acceptance=1.0)])
-def test_adaptive_length_refuses_bad_settings(arguments):
+def test_adaptive_length_refuses_a_length_below_one():
     with pytest.raises(ValueError):
-        AdaptiveDraftLength(**arguments)
+        AdaptiveDraftLength(max_length=0)
+
+
+@pytest.mark.parametrize("arguments", [dict(smoothing=0.0), dict(smoothing=1.5), dict(initial_acceptance=1.0)])
+def test_the_estimates_refuse_bad_settings(arguments):
+    with pytest.raises(ValueError):
+        EdgeEstimates(**arguments)
 
 
 def test_a_call_that_prefilled_the_prompt_teaches_acceptance_but_not_the_verify_curve():
     # Regression: a request's first call (600 prompt tokens + a block of 4: seconds of prefill)
     # was averaged into t_verify(4), which bent the fitted line for many blocks after: here the
     # controller then chose blocks of 1 for a request that had just accepted 4 of 4.
-    measured, poisoned = AdaptiveDraftLength(max_length=16), AdaptiveDraftLength(max_length=16)
+    measured, poisoned = EdgeEstimates(), EdgeEstimates()
     for shared in (measured, poisoned):
-        _feed(shared.for_request(), acceptance=0.6, blocks=200, verify_line=(0.4, 0.03))
+        _feed(_request(shared), acceptance=0.6, blocks=200, verify_line=(0.4, 0.03))
     before = poisoned.verify_curve.line()
-    request = poisoned.for_request()
-    request.observe(BlockOutcome(4, 4, 0.02, 30.01, 30.0, num_target_tokens=604))
+    request = _request(poisoned)
+    request.estimate.observe(BlockOutcome(4, 4, 0.02, 30.01, 30.0, num_target_tokens=604))
     assert poisoned.verify_curve.line() == before
     assert poisoned.acceptance_prior > measured.acceptance_prior  # 4 of 4 accepted: learnt
     assert request.next_length() > 1
 
 
 def test_a_block_only_call_is_timed():
-    shared = AdaptiveDraftLength()
-    shared.for_request().observe(BlockOutcome(4, 2, 0.02, 0.6, 0.5, num_target_tokens=5))
+    shared = EdgeEstimates()
+    _request(shared).estimate.observe(BlockOutcome(4, 2, 0.02, 0.6, 0.5, num_target_tokens=5))
     assert shared.verify_curve.points == {4: (0.5, 1)}
+    assert shared.round_trip_s == pytest.approx(0.8 * 0.1 + 0.2 * 0.6)  # a block's round trip, for the drafting-ahead policy

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from edge_agent.draft_ahead import DraftAhead, join_blocks
-from edge_agent.draft_length import BlockOutcome, FixedDraftLength
+from edge_agent.draft_length import FixedDraftLength
 from edge_agent.drafter import DraftBlock
+from edge_agent.estimates import BlockOutcome, EdgeEstimates, RequestEstimate
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
 from scripted_support import (
@@ -99,13 +100,20 @@ async def test_a_cancelled_request_cancels_its_verify_call_in_flight():
 
 
 @dataclass
-class RecordingLength(FixedDraftLength):
-    """A fixed length that keeps what the engine tells the controller."""
+class RecordingEstimates(EdgeEstimates):
+    """The edge's estimates, keeping every outcome the engine teaches a request's estimate."""
 
     outcomes: list[BlockOutcome] = field(default_factory=list)
 
+    def for_request(self) -> RequestEstimate:
+        return RecordingEstimate(self)
+
+
+@dataclass
+class RecordingEstimate(RequestEstimate):
     def observe(self, outcome: BlockOutcome) -> None:
-        self.outcomes.append(outcome)
+        self.shared.outcomes.append(outcome)
+        super().observe(outcome)
 
 
 @pytest.mark.parametrize("prefill_first", [False, True], ids=["block-first", "prefill-first"])
@@ -114,11 +122,18 @@ async def test_the_controller_gets_no_draft_rate_from_the_block_that_prefilled_t
     # The first drafted block (in line, or drafted ahead during the prompt-only call) includes the
     # draft model's prefill over the prompt (seconds on a long prompt): as a per-token rate it
     # would tell the controller drafting is that slow.
-    lengths = RecordingLength(4)
-    engine = scripted_engine(ScriptedDrafter(), ScriptedVerifier(latency_s=0.01), lengths, overlap=overlap, prefill_first=prefill_first)
+    estimates = RecordingEstimates()
+    engine = scripted_engine(
+        ScriptedDrafter(),
+        ScriptedVerifier(latency_s=0.01),
+        FixedDraftLength(4),
+        overlap=overlap,
+        prefill_first=prefill_first,
+        estimates=estimates,
+    )
     await generate(engine, 30)
-    drafted = [outcome for outcome in lengths.outcomes if outcome.num_drafted > 0]
-    assert (len(drafted) < len(lengths.outcomes)) == prefill_first  # the prompt-only call: a block of 0
+    drafted = [outcome for outcome in estimates.outcomes if outcome.num_drafted > 0]
+    assert (len(drafted) < len(estimates.outcomes)) == prefill_first  # the prompt-only call: a block of 0
     first, *later = drafted
     assert first.draft_s_per_token is None
     assert later and all(outcome.num_target_tokens == outcome.num_drafted + 1 for outcome in later)

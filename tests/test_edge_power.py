@@ -11,8 +11,11 @@ import math
 
 import pytest
 
+from edge_agent.accounting import BlockEntry
+from edge_agent.draft_length import AdaptiveDraftLength
 from edge_agent.edge_power import DraftAheadPolicy, expected_saving_per_cpu_s
 from edge_agent.engine import SpeculativeEngine
+from edge_agent.estimates import BlockOutcome, EdgeEstimates
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
 from gateway.engine import GenerationRequest
@@ -37,9 +40,9 @@ def test_more_tokens_ahead_never_save_less_per_cpu_second():
 
 
 def _request(power: str, acceptance: float, guess_rate: float = 0.9, draft_s: float = 0.02, round_trip_s: float = 0.2):
-    shared = DraftAheadPolicy(power, draft_s_per_token=draft_s, round_trip_s=round_trip_s, acceptance_prior=acceptance)
-    shared.guess_rate = guess_rate
-    return shared.for_request()
+    """One request's drafting-ahead policy on injected estimates (its acceptance starts at the prior)."""
+    estimates = EdgeEstimates(draft_s_per_token=draft_s, round_trip_s=round_trip_s, initial_acceptance=acceptance, guess_rate=guess_rate)
+    return DraftAheadPolicy(power).for_request(estimates.for_request())
 
 
 def test_performance_always_drafts_the_whole_limit():
@@ -68,15 +71,28 @@ def test_a_round_trip_too_short_for_drafting_ahead_makes_it_not_worth_it():
     assert _request("balanced", 0.95, draft_s=0.05, round_trip_s=0.04).ahead_limit(2, 5, prefills_draft=False) == 0
 
 
-def test_a_request_learns_its_own_acceptance_from_its_blocks():
+def test_the_policy_reads_the_requests_acceptance_as_its_blocks_teach_it():
+    # The estimate the draft-length policy reads too (``estimates``): one per request.
     request = _request("balanced", 0.7)
     for _ in range(30):
-        request.observe_block(4, 4)
-    assert request.acceptance_rate > 0.95
+        request.estimate.observe(BlockOutcome(4, 4, 0.02, 0.2, 0.15))
+    assert request.estimate.acceptance_rate > 0.95
+    assert request.ahead_limit(2, 5, prefills_draft=False) == 5
     for _ in range(30):
-        request.observe_block(4, 0)
-    assert request.acceptance_rate < 0.05
-    request.observe_block(0, 0)  # the prompt-only call tries no drafted token
+        request.estimate.observe(BlockOutcome(4, 0, 0.02, 0.2, 0.15))
+    assert request.estimate.acceptance_rate < 0.05
+    assert request.ahead_limit(2, 5, prefills_draft=False) == 0
+    request.estimate.observe(BlockOutcome(0, 0, None, 1.0, 0.9))  # the prompt-only call tries no drafted token
+
+
+async def test_both_policies_of_a_request_read_one_estimate():
+    engine = scripted_engine(ScriptedDrafter(), ScriptedVerifier(latency_s=0.01), AdaptiveDraftLength(max_length=8), overlap=True)
+    generation = engine._start(GenerationRequest("r", PROMPT, 5, GREEDY, frozenset({EOS})), SpadeStats())
+    try:
+        assert generation.policy.estimate is generation.estimate is generation.ahead_policy.estimate
+    finally:
+        engine._finish(generation, BlockEntry())
+        await engine.aclose()
 
 
 def test_an_unknown_power_is_refused():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from edge_agent.draft_length import AdaptiveDraftLength
+from edge_agent.estimates import EdgeEstimates
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
 from edge_support import in_process_engine
@@ -77,7 +78,7 @@ class UnreachableVerifier(ScriptedVerifier):
         raise ServiceUnavailableError("the verifier is gone", code="verifier_unavailable")
 
 
-def _engine(drafter, verifier, *, overlap=True, prefill_first=True, draft_length=None, fallback=False, metrics=None):
+def _engine(drafter, verifier, *, overlap=True, prefill_first=True, draft_length=None, fallback=False, metrics=None, **options):
     return scripted_engine(
         drafter,
         verifier,
@@ -86,6 +87,7 @@ def _engine(drafter, verifier, *, overlap=True, prefill_first=True, draft_length
         fallback_to_draft=fallback,
         overlap=overlap,
         prefill_first=prefill_first,
+        **options,
     )
 
 
@@ -178,9 +180,11 @@ async def test_the_call_is_a_block_of_zero_on_metrics():
 async def test_the_adaptive_length_learns_nothing_from_the_prompt_only_call():
     """Its verifier time is the prefill of the prompt: as a point of t_verify(d) it would make
     blocks look seconds long."""
-    shared = AdaptiveDraftLength(max_length=8, overlap=True)
+    shared = EdgeEstimates()
     verifier = PrefillTimingVerifier(latency_s=0.01)
-    tokens, _ = await generate(_engine(ScriptedDrafter(), verifier, draft_length=shared), 30)
+    tokens, _ = await generate(
+        _engine(ScriptedDrafter(), verifier, draft_length=AdaptiveDraftLength(max_length=8, overlap=True), estimates=shared), 30
+    )
     assert tokens == target_continuation(PROMPT, 30)
     assert verifier.verdicts[0][1] == [] and len(verifier.verdicts) > 1
     assert 0 not in shared.verify_curve.points

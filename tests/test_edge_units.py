@@ -9,9 +9,10 @@ import torch
 
 from edge_agent.accounting import BlockEntry, block_outcome, count_call, record_block, record_request_ended, record_request_started
 from edge_agent.draft_ahead import Drafting
-from edge_agent.draft_length import BlockOutcome, FixedDraftLength
+from edge_agent.draft_length import FixedDraftLength
 from edge_agent.drafter import DraftLimits, ModelDrafter
 from edge_agent.edge_power import DraftAheadPolicy
+from edge_agent.estimates import BlockOutcome, EdgeEstimates
 from edge_agent.generation import Generation, draft_length, num_delivered
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.verifier_client import VerifyCall
@@ -104,7 +105,8 @@ def test_a_verified_block_is_counted_in_the_stats_the_metrics_and_the_policy():
 
 def _generation() -> Generation:
     """A generation whose draft never ran (no draft session or verifier session is touched)."""
-    return Generation(None, SpadeStats(), None, None, FixedDraftLength(4), DraftAheadPolicy().for_request(), [])
+    estimate = EdgeEstimates().for_request()
+    return Generation(None, SpadeStats(), None, None, estimate, FixedDraftLength(4), DraftAheadPolicy().for_request(estimate), [])
 
 
 def test_a_rounds_ledger_entry_is_recorded_once_in_the_stats_and_the_metrics():

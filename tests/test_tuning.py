@@ -1,5 +1,5 @@
 """Each service's tuning constants live in one frozen, documented ``Tuning`` (``edge_agent.tuning``,
-``verifier_service.tuning``), with one acceptance prior per side: the policies that start from a
+``verifier_service.tuning``), with one acceptance prior per side: the estimates that start from a
 prior start from that one, and no policy module keeps a numeric constant of its own."""
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ import pytest
 from edge_agent import tuning as edge_tuning
 from edge_agent.draft_length import AdaptiveDraftLength
 from edge_agent.edge_power import DraftAheadPolicy
+from edge_agent.estimates import EdgeEstimates
 from verifier_service import tuning as verifier_tuning
 from verifier_service.backends.transformers.advice import AcceptanceRate
 
 POLICY_MODULES = (
     "edge_agent.draft_length",
+    "edge_agent.estimates",
     "edge_agent.edge_power",
     "edge_agent.draft_ahead",
     "edge_agent.health",
@@ -32,9 +34,12 @@ POLICY_MODULES = (
 
 def test_one_acceptance_prior_per_side():
     edge_prior = edge_tuning.TUNING.acceptance_prior
-    assert AdaptiveDraftLength().acceptance_prior == edge_prior
-    assert AdaptiveDraftLength().for_request().acceptance_rate == pytest.approx(edge_prior)
-    assert DraftAheadPolicy().for_request().acceptance_rate == pytest.approx(edge_prior)
+    estimates = EdgeEstimates()
+    assert estimates.acceptance_prior == edge_prior
+    # Both of a request's policies read the one estimate, started from that prior.
+    estimate = estimates.for_request()
+    assert estimate.acceptance_rate == pytest.approx(edge_prior)
+    assert AdaptiveDraftLength().for_request(estimate).estimate is DraftAheadPolicy().for_request(estimate).estimate
     assert AcceptanceRate().alpha == pytest.approx(verifier_tuning.TUNING.acceptance_prior)
 
 

@@ -46,8 +46,9 @@ from typing import Literal
 
 import httpx
 
-from edge_agent.draft_length import BlockOutcome, DraftLengthPolicy, draft_length_policy
+from edge_agent.draft_length import DraftLengthPolicy, draft_length_policy
 from edge_agent.engine import continued_allowance
+from edge_agent.estimates import BlockOutcome, EdgeEstimates
 from edge_agent.generation import ahead_length
 from spade_bench.capacity.sessions import DraftTrace
 from verifier_service.protocol import VerifyRequest, VerifyResponse, WireSampling, context_digest
@@ -77,7 +78,7 @@ class EdgePolicy:
     performance``); False: draft each block only once the last verdict is in."""
 
     def build(self) -> DraftLengthPolicy:
-        """A fresh service-wide policy: every emulated edge is a box of its own. Its speed model
+        """The service-wide draft-length policy (its estimates are each run's own). Its speed model
         counts drafting as hidden under the calls where the edge drafts ahead under every call,
         as the real edge's settings choose it."""
         return draft_length_policy(self.draft_length, self.max_draft_length, self.drafts_ahead)
@@ -256,7 +257,8 @@ class EmulatedEdge:
         ``into``: the run to fill as calls are answered (others may watch it meanwhile)."""
         run = into if into is not None else EmulatedRun(f"emu-{uuid.uuid4().hex[:12]}", time.perf_counter())
         run.started_at = time.perf_counter()
-        policy = self.policy.build().for_request()
+        estimate = EdgeEstimates().for_request()  # every emulated edge is a box of its own
+        policy = self.policy.build().for_request(estimate)
         position, advice, first_sent_at, ahead = 0, None, 0.0, None
         target_length = len(self.trace.target_token_ids)
         try:
@@ -283,7 +285,7 @@ class EmulatedEdge:
                 run.num_mismatches += error is not None
                 run.ttft_s = run.ttft_s if run.ttft_s is not None else record.answered_at - run.started_at
                 advice = record.advised
-                policy.observe(self._outcome(record, verdict, drafted_before=len(run.calls) > 2))
+                estimate.observe(self._outcome(record, verdict, drafted_before=len(run.calls) > 2))
                 num_emitted = verdict.num_accepted + 1 + len(verdict.continued_tokens)
                 window_s = record.answered_at - record.sent_at + self.rtt_s
                 first_forward_s = self.trace.draft_prefill_s if is_first else self.trace.draft_s_per_token
