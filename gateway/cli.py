@@ -131,8 +131,8 @@ def settings_from_arguments(
     """Flags given on the command line override the environment, which overrides defaults;
     pydantic validates and converts all of them (a bad value exits with the parser's usage). A
     removed setting still in the environment exits too, naming its replacement."""
-    if problems := removed_environment(settings_class, os.environ):
-        parser.error("; ".join(problems))
+    if removed := removed_environment(settings_class, os.environ):
+        parser.error("; ".join(removed))
     try:
         return settings_class(**vars(arguments))
     except ValidationError as error:

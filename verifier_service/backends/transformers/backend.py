@@ -52,7 +52,7 @@ class TransformersBackend(VerifierBackend):
         max_retained_kv_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
         packed_attention: bool | None = None,
     ) -> None:
-        """``fast_kernels`` / ``batch_invariant``: see ``cpu_kernels`` (CPU float32 only; the
+        """``fast_kernels`` / ``batch_invariant``: see ``cpu.kernels`` (CPU float32 only; the
         model is patched in place, and the target-only route runs the same patched model);
         ``kernel_isa``: the kernel's ISA (None: the best this CPU runs).
         ``max_retained_kv_bytes``: KV of ended sessions kept as shared prefixes (the session

@@ -1,4 +1,4 @@
-"""Attention for the CPU kernels (``cpu_kernels``), registered with transformers'
+"""Attention for the CPU kernels (``kernels``), registered with transformers'
 AttentionInterface so any model built on it (Qwen2, Llama, Mistral, ...) picks them up.
 
 ``gqa_attention`` (fast mode) is transformers' eager attention without ``repeat_kv``: eager
@@ -12,7 +12,7 @@ keys it may see, with no mask. A block's row at position p then performs the ver
 on tensors of the very shapes, that a one-token forward at position p performs, so its output
 does not depend on how many rows share the forward. Where the model's attention modules carry the
 compiled kernel (``KERNEL_ATTRIBUTE``), it does the same in one C call per layer
-(``cpu_kernels.c``, "batch-invariant attention"); else a few torch operations per row. It needs
+(``kernels.c``, "batch-invariant attention"); else a few torch operations per row. It needs
 what the verifier always has: one sequence (batch 1), no padding, no sliding window, and the new
 rows at the end of the keys.
 """
@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 GQA_ATTENTION = "spade_gqa"
 ROWWISE_ATTENTION = "spade_rowwise"
 KERNEL_ATTRIBUTE = "spade_attention_kernel"
-"""Set on a model's attention modules by ``cpu_kernels.apply_cpu_kernels``: the compiled kernel
+"""Set on a model's attention modules by ``kernels.apply_cpu_kernels``: the compiled kernel
 that runs ``rowwise_attention`` (one C call per layer instead of a few torch operations per row)."""
 
 

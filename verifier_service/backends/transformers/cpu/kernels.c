@@ -71,7 +71,7 @@ static inline float vsum(vec v) {
     return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 #else
-#error "cpu_kernels.c needs AVX-512F or AVX2 with FMA"
+#error "kernels.c needs AVX-512F or AVX2 with FMA"
 #endif
 
 #define INLINE static inline __attribute__((always_inline))

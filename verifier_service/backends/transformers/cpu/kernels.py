@@ -3,7 +3,7 @@
 On CPU the target's forward is mostly its linear layers, and torch's fp32 GEMM pays for every
 extra row: a block of a few rows costs several one-row steps (docs/benchmarks.md, "Component
 measurements"). The kernel
-in ``cpu_kernels.c`` (built here with the system C compiler, cached per source and ISA) reads
+in ``kernels.c`` (built here with the system C compiler, cached per source and ISA) reads
 each weight once for all rows of the block. Each linear layer's weight is repacked IN PLACE into
 panels of output columns (``pack_weight``: a permutation of the same storage, no copy kept, so
 memory does not grow); a weight shared with another module (tied input embeddings) or whose
@@ -15,9 +15,9 @@ bitwise independent of how many rows share the call, in both forms.
 Two modes, applied to a loaded fp32 model on CPU by ``apply_cpu_kernels``:
 
 - fast (default): every nn.Linear through the kernel; attention as transformers' eager one
-  without its per-head copies of the KV cache (``cpu_attention.gqa_attention``).
+  without its per-head copies of the KV cache (``attention.gqa_attention``).
 - batch-invariant: the same linears, and attention one query row at a time against exactly the
-  keys it sees (``cpu_attention.rowwise_attention``), so a row's logits do not depend on how many
+  keys it sees (``attention.rowwise_attention``), so a row's logits do not depend on how many
   rows share the forward: greedy SPADE output equals target-only output by construction, not
   by observation. Without a C compiler it still holds, with each linear run row by row through
   torch (slow).
