@@ -311,7 +311,7 @@ def departure_pays(alpha: float, length: int, missed: int, price: float) -> bool
     ``length`` where every forward is full (more sessions than a forward takes, so the row plan's
     frame holds): that commits E(length) tokens with length + 1 rows after ``missed`` forwards
     without it, where staying commits missed + 1 tokens with as many rows; each row priced at
-    ``price`` tokens (``row_price``). Example, past this CPU's knee (price 0.7), alpha 0.93, one
+    ``price`` tokens (``row_price``). Example, past a CPU's knee (price 0.7), alpha 0.93, one
     forward missed: a block of 1 gives 1.93 - 1.4 = 0.53 against 2 x 0.3 = 0.6, so it stays; a
     block of 3 (3.6 - 2.8 = 0.8) goes."""
     if length <= 0:
@@ -345,7 +345,7 @@ def departure_length(alpha: float, away: TimeAway, cost: ForwardTime, load: Forw
     forward: in m t(R - 1) + t(R + d). The (shortest) d of the best such rate, where it beats
     staying by ``TUNING.departure_margin``.
 
-    Example, this CPU (Run J: t(2) = 0.247, t(3) = 0.253, t(6) = 0.266, t(8) = 0.274 s, 27 ms a
+    Example, Run J's Zen 4 (t(2) = 0.247, t(3) = 0.253, t(6) = 0.266, t(8) = 0.274 s, 27 ms a
     row past 8 rows), edges away 35 ms + 34 ms a drafted token: three sessions of alpha 0.75
     continued (R = T = 3): staying commits 11.9 tokens/s, a block of 5 (away 0.2 s, one forward
     missed) 14.0, so the session goes back with 5. Seven continued (R = T = 7): staying commits

@@ -31,7 +31,7 @@ sessions a forward of their own, they join the returning ones in the next, t(R_r
 those commit another T_r tokens in it. Saturated, compare the rates: hold commits T_q + T_d in
 w + t(R_q + R_d), now T_q + T_r + T_d in t(R_q) + t(R_r + R_d); hold while
 w < (T_q + T_d) (t(R_q) + t(R_r + R_d)) / (T_q + T_r + T_d) - t(R_q + R_d), which is S when
-nothing returns. Example, this CPU past its knee (t(2) = 0.247, t(6) = 0.266, t(8) = 0.274 s),
+nothing returns. Example, Run J's Zen 4 past its knee (t(2) = 0.247, t(6) = 0.266, t(8) = 0.274 s),
 six continued sessions and an edge's block of one drafted token (2 rows, ~2 tokens): w < 34 ms,
 where S would allow 238 ms (measured: the forwards waited 60-80 ms for such edges, 14 % of the
 target's time at N = 8). Not saturated, hold while
