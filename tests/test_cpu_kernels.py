@@ -142,7 +142,7 @@ def test_kernel_matches_a_float64_reference(library, form, num_rows, num_outputs
 
 
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("num_rows", [2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 16, 17, 40])
+@pytest.mark.parametrize("num_rows", [2, 3, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 40])
 def test_kernel_row_is_bitwise_the_same_alone_or_among_others(library, form, num_rows):
     generator = torch.Generator().manual_seed(num_rows)
     num_outputs, num_inputs = output_count(library, form, 75), 100 if form == "dot" else 1100
