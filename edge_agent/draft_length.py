@@ -14,9 +14,9 @@ second of wall time:
 
 a is the per-token acceptance rate, estimated online per request from a prior that carries over
 from earlier requests; t_link is the round trip minus the verifier's own time; t_verify(d) is the
-verifier's time for a block of d, learned per length and interpolated by a line (all of them the
-edge's one set of estimates, ``estimates``, which the drafting-ahead policy reads too) (on a CPU a
-longer block costs more, on a GPU almost nothing more). Without overlap the drafting is exposed:
+verifier's time for a block of d, learned per length and interpolated by a line (on a CPU a
+longer block costs more, on a GPU almost nothing more). All of them are the edge's one set of
+estimates (``estimates``), which the drafting-ahead policy reads too. Without overlap the drafting is exposed:
 exposed_draft(d) = d * t_draft. With overlap the edge drafts the next block while this one is
 verified; that work is used only when the whole block is accepted and the target's next token
 is the draft's own guess (probability about a^(d+1)), and then only its part longer than the
