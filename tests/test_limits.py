@@ -206,6 +206,22 @@ def test_a_call_that_cannot_fit_beside_calls_in_flight_is_429():
     assert (refused.value.code, refused.value.retry_after_s) == ("kv_cache_full", 1)
 
 
+def test_held_kv_counts_in_the_budget_is_never_evicted_and_goes_back_on_release():
+    registry = SessionRegistry(SessionLimits(), KvBudget(bytes_per_token=10, max_bytes=1000))  # 100 tokens
+    idle = registry.get_or_create("idle")
+    idle.token_ids = [1] * 30
+    assert registry.hold("pipeline:a", "", 50) == []  # 30 + 50 fit
+    assert registry.hold("pipeline:b", "", 40) == ["idle"]  # an idle session gives way, as for a call
+    assert registry.kv_bytes == 900
+    with pytest.raises(OverloadedError) as refused:
+        registry.reserve(registry.get_or_create("new"), 20)  # held KV is never evicted
+    assert refused.value.code == "kv_cache_full"
+    with pytest.raises(OverloadedError):
+        registry.hold("pipeline:c", "", 20)
+    registry.release_hold("pipeline:a")
+    assert registry.kv_bytes == 400 and registry.reserve(registry.get_or_create("new"), 20) == []
+
+
 def test_a_budget_smaller_than_one_context_is_refused():
     with pytest.raises(ValueError, match="cannot hold one full context"):
         KvBudget.for_model(bytes_per_token=512, max_context_length=96, max_bytes=512 * 95)

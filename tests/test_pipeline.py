@@ -21,6 +21,7 @@ from spade_core.params import SamplingConfig
 from test_edge_sampling import chi_square_p_value
 from test_steps_ahead import metric, support, target_probs
 from verifier_service.backends.base import BlockVerdict
+from verifier_service.kv_budget import kv_bytes_per_token
 from verifier_service.pipeline import decided_events, decided_tokens
 from verifier_service.pipeline_protocol import DecidedTokens
 from verifier_support import ENVELOPE_KEYS, greedy_continuation, new_session_id, random_tokens, verifier_app
@@ -222,6 +223,27 @@ def test_a_full_verifier_refuses_a_new_session_at_once(tiny_pair):
         assert refused.headers["retry-after"] == "1"
         client.delete("/v1/pipeline/sessions/a")
         assert client.post("/v1/pipeline/sessions", json=body | {"session_id": "b"}).status_code == 201
+
+
+def test_pipelined_sessions_count_against_the_kv_budget_and_give_it_back(tiny_pair, target_model):
+    bytes_per_token = kv_bytes_per_token(target_model.model.config, target_model.model.dtype)
+    app = verifier_app(tiny_pair, pipelined_sessions=True, max_kv_cache_bytes=2 * 96 * bytes_per_token)  # two 96-token contexts
+    with serve(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        body = {"session_id": "a", "prompt_tokens": [1, 2, 3], "max_tokens": 90}  # holds 93 tokens for its whole life
+        assert client.post("/v1/pipeline/sessions", json=body).status_code == 201
+        assert client.post("/v1/pipeline/sessions", json=body | {"session_id": "b"}).status_code == 201
+        sessions = app.state.service.sessions
+        assert sessions.kv_bytes == 2 * 93 * bytes_per_token
+        refused = client.post("/v1/pipeline/sessions", json=body | {"session_id": "c"})
+        assert error(refused) == (429, None, "kv_cache_full")
+        assert refused.headers["retry-after"] == "1"
+        assert "c" not in {key.rsplit("/", 1)[-1] for key in app.state.pipeline._sessions}  # a refused open holds nothing
+        client.delete("/v1/pipeline/sessions/a")  # its hold goes (its cache may stay as a retained prefix, which gives way)
+        assert client.post("/v1/pipeline/sessions", json=body | {"session_id": "c"}).status_code == 201
+        for session_id in ("b", "c"):
+            client.delete(f"/v1/pipeline/sessions/{session_id}")
+        for session_id in ("d", "e"):  # the whole budget again
+            assert client.post("/v1/pipeline/sessions", json=body | {"session_id": session_id}).status_code == 201
 
 
 def test_the_routes_exist_only_when_asked_for(tiny_pair):

@@ -92,7 +92,9 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     audit = None if settings.audit_log is None else AuditLog(settings.audit_log)
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics, settings.prefix_sharing, audit)
     if settings.pipelined_sessions:
-        app.state.pipeline = PipelineSessions(backend, settings.pipeline_limits(), app.state.metrics, settings.prefix_sharing)
+        app.state.pipeline = PipelineSessions(
+            backend, settings.pipeline_limits(), app.state.metrics, settings.prefix_sharing, kv=app.state.service
+        )
     route = settings.target_only_route()
     app.state.engine = create_target_engine(backend, route, app.state.metrics, settings.prefix_sharing)
     logger.info("verifier ready: %s (%s backend, target-only route %s)", backend.model.model_id, backend.name, route)

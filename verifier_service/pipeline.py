@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -269,8 +269,24 @@ class PipelinedSession:
         self._changed = asyncio.Event()
 
 
+class KvHolder(Protocol):
+    """Where pipelined sessions' caches count against the verifier's KV budget
+    (``--max-kv-cache-bytes``), beside the verify sessions' (``VerifierService.hold_kv``)."""
+
+    def hold_kv(self, key: str, owner: str, num_tokens: int) -> None: ...
+
+    def release_kv(self, key: str) -> None: ...
+
+
+def kv_key(owned_id: str) -> str:
+    """The KV budget's key of a pipelined session (apart from the verify sessions' ids)."""
+    return f"pipeline:{owned_id}"
+
+
 class PipelineSessions:
-    """The verifier's pipelined sessions by owned id: open, propose, stream, close."""
+    """The verifier's pipelined sessions by owned id: open, propose, stream, close. Each session's
+    cache counts against the KV budget for its whole life (prompt + max_tokens, held at open: a
+    verifier whose budget is spoken for answers 429 ``kv_cache_full`` at once)."""
 
     def __init__(
         self,
@@ -278,11 +294,14 @@ class PipelineSessions:
         limits: PipelineLimits,
         metrics: VerifierMetrics,
         prefix_sharing: PrefixSharing = "per-key",
+        kv: KvHolder | None = None,
     ) -> None:
+        """``kv``: where the sessions' caches are counted (None: nowhere, as in unit tests)."""
         self.backend = backend
         self.limits = limits
         self.metrics = metrics
         self.prefix_sharing: PrefixSharing = prefix_sharing
+        self.kv = kv
         self._sessions: dict[str, PipelinedSession] = {}
         metrics.pipeline_sessions.set_function(lambda: len(self._sessions))
 
@@ -302,6 +321,8 @@ class PipelineSessions:
         model.check_fits(len(request.prompt_tokens), 1, "prompt_tokens")
         namespace = prefix_namespace(self.prefix_sharing, owner, request.cache_salt)
         template = BlockToVerify(owned_id, list(request.prompt_tokens), [], None, request.sampling.to_config(), None, namespace)
+        if self.kv is not None:  # last: a refused open holds nothing
+            self.kv.hold_kv(kv_key(owned_id), owner, len(request.prompt_tokens) + request.max_tokens)
         self._sessions[owned_id] = PipelinedSession(
             self.backend, template, request.max_tokens, self.limits, self._stepped, self._proposal_done
         )
@@ -334,7 +355,7 @@ class PipelineSessions:
         if session is None:
             raise SessionNotFoundError(f"no pipelined session {session_id!r}", param="session_id", code="session_not_found")
         session.close()
-        self.backend.release_session(owned_id)
+        self._release(owned_id)
         return PipelineClosed(session_id=session_id, num_generated=len(session.generated))
 
     def drop_idle(self) -> None:
@@ -343,12 +364,21 @@ class PipelineSessions:
         for owned_id, session in list(self._sessions.items()):
             if session.last_active < deadline:
                 self._sessions.pop(owned_id).close()
-                self.backend.release_session(owned_id, retain=False)
+                self._release(owned_id, retain=False)
 
     async def aclose(self) -> None:
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
+        sessions, self._sessions = dict(self._sessions), {}
+        for owned_id, session in sessions.items():
             await session.aclose()
+            if self.kv is not None:
+                self.kv.release_kv(kv_key(owned_id))
+
+    def _release(self, owned_id: str, retain: bool = True) -> None:
+        """A closed session's cache: freed in the backend (kept as a shared prefix if ``retain``)
+        and no longer counted in the KV budget."""
+        self.backend.release_session(owned_id, retain)
+        if self.kv is not None:
+            self.kv.release_kv(kv_key(owned_id))
 
     def _session(self, session_id: str, owner: str) -> PipelinedSession:
         session = self._sessions.get(owned_session_id(owner, session_id))

@@ -29,8 +29,7 @@ certain (one-hot q), which is exact at any temperature (accept x with probabilit
 rejection, sample from p with x removed) at the acceptance sum p.q instead of sum min(p, q).
 
 Not yet on this wire (it is a spike measured against today's): digests binding each message to
-the session's context, the KV budget (a pipelined session's cache is not counted against
-``--max-kv-cache-bytes``), resuming a session on another replica, stop strings at the verifier,
+the session's context, resuming a session on another replica, stop strings at the verifier,
 logprobs. Its wire version is separate from today's and is not announced in /health.
 """
 

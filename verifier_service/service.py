@@ -409,6 +409,15 @@ class VerifierService:
             ),
         )
 
+    def hold_kv(self, key: str, owner: str, num_tokens: int) -> None:
+        """Hold ``num_tokens`` of the KV budget for a cache outside the verify sessions (a pipelined
+        session's), evicting idle sessions as a verify call would; 429 ``kv_cache_full`` when no
+        room can be made. ``release_kv`` gives it back."""
+        self._release(self.sessions.hold(key, owner, num_tokens), retain=False)
+
+    def release_kv(self, key: str) -> None:
+        self.sessions.release_hold(key)
+
     def drop_expired_sessions(self) -> None:
         """Evict what is past its TTL or beyond the limits, as a call would before it runs."""
         self._release(self.sessions.evict())

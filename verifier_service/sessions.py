@@ -85,6 +85,9 @@ class SessionRegistry:
         self.kv_budget = kv_budget
         self.retained = retained
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._held: dict[str, Session] = {}
+        """KV held for caches the registry does not serve as sessions (pipelined sessions'), by key:
+        counted in the budget, never evicted, given back by ``release_hold``."""
         self._limit_retained(0)  # the budget bounds retained caches from the start, whichever route fills them
 
     def __len__(self) -> int:
@@ -100,8 +103,28 @@ class SessionRegistry:
         if self.kv_budget is None:
             return 0
         retained = 0 if self.retained is None else self.retained.num_retained_tokens
-        sessions = list(self._sessions.values())  # a snapshot, whatever else runs
-        return (sum(session.num_cached_tokens for session in sessions) + retained) * self.kv_budget.bytes_per_token
+        return (self._session_tokens() + retained) * self.kv_budget.bytes_per_token
+
+    def _session_tokens(self) -> int:
+        """Tokens the sessions' caches hold (or will, for calls in flight), held KV included."""
+        sessions = list(self._sessions.values()) + list(self._held.values())  # a snapshot, whatever else runs
+        return sum(session.num_cached_tokens for session in sessions)
+
+    def hold(self, key: str, owner: str, num_tokens: int) -> list[str]:
+        """Reserve ``num_tokens`` of the KV budget for a cache the registry does not serve as a
+        session (a pipelined session's, for its whole life), as a call's reservation does:
+        idle sessions are evicted to make room, an owner within its share loses nothing to
+        another, and OverloadedError (429, ``kv_cache_full``) answers when no room can be made.
+        Returns the evicted ids (the caller frees their caches); ``release_hold`` gives it back."""
+        holder = Session(key, owner=owner)
+        evicted = self.reserve(holder, num_tokens)
+        if self.kv_budget is not None:
+            self._held[key] = holder
+        return evicted
+
+    def release_hold(self, key: str) -> None:
+        if self._held.pop(key, None) is not None:
+            self._limit_retained(self._session_tokens())
 
     def reserve(self, session: Session, num_tokens: int) -> list[str]:
         """Reserve cache room for ``session``'s call feeding ``num_tokens`` in all; evicts idle
@@ -111,10 +134,11 @@ class SessionRegistry:
         if self.kv_budget is None:
             return []
         others = [s for s in self._sessions.values() if s is not session]
-        held = sum(s.num_cached_tokens for s in others)
+        kept = [s for s in self._held.values() if s is not session]  # held KV: counted, never evicted
+        held = sum(s.num_cached_tokens for s in others + kept)
         self._limit_retained(held + num_tokens)
         owner_tokens: dict[str, int] = {session.owner: num_tokens}
-        for other in others:
+        for other in others + kept:
             owner_tokens[other.owner] = owner_tokens.get(other.owner, 0) + other.num_cached_tokens
         share = fair_share(self.kv_budget.max_tokens, {owner: 1 for owner in owner_tokens}, session.owner)
         evicted = []
@@ -181,7 +205,7 @@ class SessionRegistry:
 
     def remove(self, session_id: str) -> bool:
         removed = self._sessions.pop(session_id, None) is not None
-        self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
+        self._limit_retained(self._session_tokens())
         return removed
 
     def _limit_retained(self, num_session_tokens: int) -> None:
@@ -202,7 +226,7 @@ class SessionRegistry:
             total_tokens -= len(self._sessions.pop(victim).token_ids)
             evicted.append(victim)
         if evicted:
-            self._limit_retained(sum(session.num_cached_tokens for session in self._sessions.values()))
+            self._limit_retained(self._session_tokens())
         return evicted
 
     def _fair_victim(self, keep: str | None) -> str | None:
