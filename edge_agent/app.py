@@ -22,7 +22,9 @@ from edge_agent.engine import EngineOptions, ServedModel, SpeculativeEngine
 from edge_agent.health import EdgeHealth, VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
+from edge_agent.pipelined_engine import PipelinedEngine
 from edge_agent.settings import EdgeSettings
+from edge_agent.tuning import TUNING
 from edge_agent.verifier_client import VerifierClient, VerifierState, check_tokenizer
 from gateway.errors import install_error_handlers
 from gateway.guards import default_trusted_hosts, install_guards
@@ -46,7 +48,7 @@ async def build_engine(
     metrics: EdgeMetrics,
     draft_loader: DraftLoader = load_draft,
     transport: httpx.AsyncBaseTransport | None = None,
-) -> SpeculativeEngine:
+) -> SpeculativeEngine | PipelinedEngine:
     """Load the draft, check the verifier, build the engine. ``transport`` replaces the HTTP
     hop (tests run the verifier app in-process through an ASGI transport)."""
     client = VerifierClient(settings.verifier_url, settings.client_settings(), transport=transport)
@@ -85,7 +87,10 @@ async def build_engine(
         max_continued_tokens=settings.max_continued_tokens,
     )
     metrics.watch_drafter(drafter)
-    return SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
+    engine = SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
+    if settings.verifier_wire == "pipelined":
+        return PipelinedEngine(engine, drafter, client.pipeline_client(), metrics, engine.draft_executor, TUNING.pipeline_lead_tokens)
+    return engine
 
 
 def create_app(settings: EdgeSettings, draft_loader: DraftLoader = load_draft) -> FastAPI:

@@ -152,7 +152,7 @@ class SpeculativeEngine:
         """Whatever ended the loop (EOS, budget, the consumer gone): record its last round if it
         never reached its commit, free the draft cache and the verifier session."""
         record_request_ended(self._metrics, generation, last_entry)
-        self._close_draft_session(generation.draft_session)
+        self.close_draft_session(generation.draft_session)
         generation.verifier_session.close()
 
     # --- draft ---------------------------------------------------------------------------------
@@ -283,7 +283,12 @@ class SpeculativeEngine:
         record_block(self._metrics, generation, entry)
         return delivered
 
-    def _close_draft_session(self, session: DraftSession) -> None:
+    @property
+    def draft_executor(self) -> ThreadPoolExecutor:
+        """The one drafting thread: draft forwards of every request run there, in arrival order."""
+        return self._executor
+
+    def close_draft_session(self, session: DraftSession) -> None:
         """On the drafting thread, where a draft forward of this request may still be running;
         directly once the engine has shut that thread down."""
         try:

@@ -55,6 +55,16 @@ class EdgeSettings(ServiceSettings):
             "fastest setting measured: docs/benchmarks.md) to choose it before each block from acceptance and round trip."
         ),
     )
+    verifier_wire: Literal["verify", "pipelined"] = Field(
+        "verify",
+        description=(
+            "Experimental: 'pipelined' speaks the pipelined-session wire (the verifier decodes each request in every"
+            " forward and the edge's drafts are proposals; the verifier needs --pipelined-sessions). A seed no longer"
+            " fixes a sampled text; requests asking for logprobs, and every request to a verifier without the wire, go"
+            " on the verify wire."
+        ),
+        json_schema_extra={"advanced": True},
+    )
     overlap: bool = Field(
         True,
         description=(

@@ -48,6 +48,12 @@ class EdgeTuning:
     """On a miss the forward still running when the verdict lands delays the next block by, on
     average, this share of a draft forward (the drafting thread cannot be interrupted mid-forward)."""
 
+    # --- the pipelined-session wire (--verifier-wire pipelined) --------------------------------
+    pipeline_lead_tokens: int = 8
+    """Tokens the edge drafts past the decided tokens it holds, at most: a verifier step verifies
+    up to about a block's worth (the vLLM route takes 8), and drafts further ahead are more often
+    thrown away at a rejection than used (the capacity replay's emulated edges use the same lead)."""
+
     # --- the health probe ---------------------------------------------------------------------
     probe_ttl_s: float = 1.5
     """How long /health reuses its last probe of the verifier (a health-check storm must not
@@ -61,6 +67,8 @@ class EdgeTuning:
             raise ValueError("the acceptance prior must be in [0, 1), rates and shares within [0, 1]")
         if not 0 < self.smoothing <= 1 or not 0 < self.prior_smoothing <= 1 or self.max_point_weight < 1:
             raise ValueError("smoothings must be in (0, 1] and max_point_weight >= 1")
+        if self.pipeline_lead_tokens < 1:
+            raise ValueError("pipeline_lead_tokens must be >= 1")
         if (
             min(
                 self.draft_s_per_token_prior,

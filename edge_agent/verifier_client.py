@@ -27,6 +27,7 @@ from typing import Any, Literal
 import httpx
 
 from edge_agent.drafter import DraftBlock
+from edge_agent.pipeline_client import PipelineClient
 from gateway.errors import BadGatewayError, GatewayError, RequestTooLargeError, ServiceUnavailableError
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
@@ -146,6 +147,10 @@ class VerifierClient:
         self._background: set[asyncio.Task] = set()
         self._unreachable_until = 0.0
         self._open_s = self.first_open_s
+
+    def pipeline_client(self) -> PipelineClient:
+        """The pipelined-session wire on this client's connection (base URL, key, transport)."""
+        return PipelineClient(self._http)
 
     @property
     def first_open_s(self) -> float:

@@ -1,7 +1,8 @@
 """An edge's proposal: drafted token ids from an absolute start position, read by a verifier that
 has decided tokens of its own since the edge drafted them. One definition for every consumer
 (the pipelined sessions of ``verifier_service.pipeline``, vLLM's proposer hook in
-``verifier_service.backends.vllm.proposals``)."""
+``verifier_service.backends.vllm.proposals``), and what an edge keeps of its drafts once decided
+tokens arrive (``rebased_drafts``: the edge's pipelined engine and the capacity replay's)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def aligned_proposal(row_tokens: np.ndarray | Sequence[int], num_tokens: int, pr
     if passed and not np.array_equal(np.asarray(row_tokens[proposal.start : num_tokens]), proposal.token_ids[:passed]):
         return []
     return [int(token) for token in proposal.token_ids[passed : passed + limit]]
+
+
+def rebased_drafts(seen: list[int], base: int, drafts: list[int]) -> list[int]:
+    """The drafts (from position ``base``) still worth having once ``seen`` holds what was
+    decided: those after it, where the decided ones after ``base`` confirm them; else none.
+
+    Example: base 2, drafts [c, d, e], seen [a, b, c, d] -> [e]; seen [a, b, x] -> []."""
+    decided = seen[base:]
+    if drafts[: len(decided)] != decided:
+        return []
+    return drafts[len(decided) :]

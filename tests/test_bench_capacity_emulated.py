@@ -27,7 +27,7 @@ from spade_bench.capacity.emulated_edge import (
     leading_matches,
 )
 from spade_bench.capacity.levels import QUIET_PAUSE_S, LevelSetup, measure_levels, run_level
-from spade_bench.capacity.pipelined_edge import PipelinePolicy, rebased_drafts
+from spade_bench.capacity.pipelined_edge import PipelinedEdge, PipelinePolicy
 from spade_bench.capacity.prefill_interference import InterferenceSetup, measure_interference
 from spade_bench.capacity.report import (
     ADVICE,
@@ -47,6 +47,7 @@ from spade_bench.capacity.report import (
     markdown_table,
 )
 from spade_bench.capacity.sessions import DraftTrace, RecordedCall, RecordedSession
+from spade_core.proposals import rebased_drafts
 from verifier_service.backends.transformers.advice import BusyFraction, Saturation
 
 
@@ -153,6 +154,60 @@ def test_edges_on_the_pipelined_wire_stay_exact_and_their_row_says_what_they_pro
     assert all(user.num_calls > 0 and user.num_drafted > 0 for user in users)
     assert row.proposal_share is not None and 0 < row.proposal_share < 1
     assert row.stale_proposals is not None
+
+
+class SpoilingTransport(httpx.AsyncBaseTransport):
+    """Loopback, except that the first decided event of each of the first ``streams`` decided
+    streams comes with one token id changed (as a faulty link or proxy might)."""
+
+    def __init__(self, streams: int) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.left = streams
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/decided") or self.left == 0:
+            return response
+        self.left -= 1
+        return httpx.Response(response.status_code, headers=response.headers, stream=SpoiledStream(response.stream))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class SpoiledStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self.inner, self.spoilt = inner, False
+
+    async def __aiter__(self):
+        async for chunk in self.inner:
+            if not self.spoilt and b'"token_ids":[' in chunk:
+                at = chunk.index(b'"token_ids":[') + len(b'"token_ids":[')
+                digit = chunk[at : at + 1]
+                if digit.isdigit():  # an event with tokens: change its first token's first digit
+                    chunk, self.spoilt = chunk[:at] + (b"1" if digit != b"1" else b"2") + chunk[at + 1 :], True
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_a_pipelined_edge_drops_a_spoilt_decided_event_and_reads_on_from_what_it_holds(tiny_pair, traced):
+    """Two decided streams in a row bring a first event with a changed token: its digest fails,
+    the edge reads the stream again from the tokens it holds, and emits only the target's."""
+    from verifier_support import verifier_app
+
+    app = verifier_app(tiny_pair, pipelined_sessions=True, pipeline_window_tokens=1)
+    edge = PipelinedEdge(traced[0].trace, PipelinePolicy(4, 1), rtt_s=0.002)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, transport=SpoilingTransport(streams=2), timeout=60) as client:
+            return await edge.run(client)
+
+    with serve(app) as url:
+        result = asyncio.run(run())
+    assert result.num_bad_events == 2
+    assert (result.num_mismatches, result.tokens) == (0, len(traced[0].trace.target_token_ids))
 
 
 def test_no_level_or_mode_is_served_a_prompt_another_prefilled(capacity_verifier_url, traced):

@@ -3,7 +3,8 @@
 - ``spade_core`` (sampling parameters, the sampling transform, the acceptance rule) imports
   none of our packages and no web framework or schema library: plain torch.
 - ``gateway`` (the OpenAI HTTP layer) imports only ``spade_core``, and no torch at all.
-- the edge sees only the verifier's wire module (``verifier_service.protocol``).
+- the edge sees only the verifier's wire modules (``verifier_service.protocol``, and
+  ``verifier_service.pipeline_protocol`` for the experimental pipelined-session wire).
 - the package graph has no cycle.
 """
 
@@ -23,7 +24,7 @@ ALLOWED = {
     "gateway": {"spade_core"},
     "spade_models": {"gateway"},  # gateway.cli's --version and plain-text help only
     "verifier_service": {"spade_core", "gateway", "spade_models"},
-    "edge_agent": {"spade_core", "gateway", "spade_models", "verifier_service.protocol"},
+    "edge_agent": {"spade_core", "gateway", "spade_models", "verifier_service.protocol", "verifier_service.pipeline_protocol"},
     "spade_bench": {"spade_core", "gateway", "spade_models", "verifier_service", "edge_agent"},
 }
 

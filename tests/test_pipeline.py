@@ -23,7 +23,7 @@ from test_steps_ahead import metric, support, target_probs
 from verifier_service.backends.base import BlockVerdict
 from verifier_service.kv_budget import kv_bytes_per_token
 from verifier_service.pipeline import decided_events, decided_tokens
-from verifier_service.pipeline_protocol import DecidedTokens
+from verifier_service.pipeline_protocol import DecidedTokens, checked_event
 from verifier_support import ENVELOPE_KEYS, greedy_continuation, new_session_id, random_tokens, verifier_app
 
 # --- pure parts ---------------------------------------------------------------------------------
@@ -133,6 +133,30 @@ def test_greedy_text_is_the_targets_whatever_the_proposals(pipelined, target_mod
     assert metric(client, "spade_verifier_pipeline_proposals_total", 'outcome="stale"') > stale_before
     closed = client.delete(f"/v1/pipeline/sessions/{session_id}")
     assert closed.json() == {"session_id": session_id, "num_generated": 48}
+
+
+def test_every_decided_event_is_sealed_to_the_context_after_it(pipelined, target_model):
+    """Each event's digest checks against the prompt and the tokens before it (also an event cut
+    by a read from mid-event); a token, a position or a finish changed on the way fails it."""
+    client, prompt = pipelined, random_tokens(random.Random(19), 6, 300)
+    session_id = open_session(client, prompt, max_tokens=WINDOW)
+    events = read_decided(client, session_id, 0, at_least=WINDOW)
+    held: list[int] = []
+    for decided in events:
+        assert checked_event(decided, prompt, held)
+        held += decided.token_ids
+    resumed = read_decided(client, session_id, 1, at_least=WINDOW - 1)
+    assert resumed[0].start == 1 and checked_event(resumed[0], prompt, held[:1])
+    first = events[0]
+    spoilt = [
+        first.model_copy(update={"token_ids": [(first.token_ids[0] + 1) % 300, *first.token_ids[1:]]}),
+        first.model_copy(update={"start": 1}),
+        first.model_copy(update={"finish_reason": "stop"}),
+        first.model_copy(update={"digest": ""}),
+    ]
+    assert not any(checked_event(event, prompt, []) for event in spoilt)
+    assert not checked_event(first, prompt[:-1], [])  # another context
+    client.delete(f"/v1/pipeline/sessions/{session_id}")
 
 
 def test_it_decodes_its_window_then_waits_for_the_edge(pipelined, target_model):
@@ -322,4 +346,4 @@ def open_session_with_window(client: httpx.Client, prompt: list[int], sampling: 
 
 def test_decided_events_are_json_the_edge_can_read():
     payload = json.loads(event(2, [5], 0, "stop").model_dump_json())
-    assert payload == {"start": 2, "token_ids": [5], "num_from_proposal": 0, "finish_reason": "stop"}
+    assert payload == {"start": 2, "token_ids": [5], "num_from_proposal": 0, "finish_reason": "stop", "digest": ""}

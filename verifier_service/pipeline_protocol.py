@@ -27,22 +27,31 @@ Example, prompt p0..p9 (10 tokens), the verifier has decided t0 t1 t2 (positions
 Token ids only, as vLLM's proposer hook takes them: the verifier treats each drafted token as
 certain (one-hot q), which is exact at any temperature (accept x with probability p(x); at a
 rejection, sample from p with x removed) at the acceptance sum p.q instead of sum min(p, q).
+The same wire is served by the transformers backend (``verifier_service.pipeline``: a verify block
+per forward) and by vLLM (``verifier_service.backends.vllm.sessions``: one vLLM request per
+session, the proposals its speculative tokens).
 
-Not yet on this wire (it is a spike measured against today's): digests binding each message to
-the session's context, resuming a session on another replica, stop strings at the verifier,
-logprobs. Its wire version is separate from today's and is not announced in /health.
+Integrity: each decided event is sealed with ``decided_digest`` (its fields and the digest of the
+committed context after it); an edge checks it (``checked_event``) and, at a failure, drops the
+event and reads the stream again from the tokens it holds (``after``).
+
+Not yet on this wire (it is a spike measured against today's): resuming a session on another
+replica, stop strings at the verifier, logprobs. Its wire version is separate from today's and is not announced in /health.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from verifier_service.protocol import MAX_CACHE_SALT_LENGTH, WireSampling
+from verifier_service.protocol import MAX_CACHE_SALT_LENGTH, WireSampling, context_digest
 
-PIPELINE_WIRE_VERSION = "pipeline-0"
-"""Experimental: any change may break edges; a stable version replaces it."""
+PIPELINE_WIRE_VERSION = "pipeline-1"
+"""Experimental: any change may break edges; a stable version replaces it. pipeline-1: decided
+events carry ``digest``. An edge that opens a session on a verifier of another version closes it
+and serves on the verify wire (``edge_agent.pipelined_engine``)."""
 
 FinishReason = Literal["stop", "length", "error", "closed"]
 """stop: an end-of-sequence token; length: max_tokens or the context's room; error: a forward
@@ -84,6 +93,39 @@ class DecidedTokens(BaseModel):
     token_ids: list[int]
     num_from_proposal: int = Field(0, description="Of token_ids, the leading ones that were proposed drafts the target accepted.")
     finish_reason: FinishReason | None = None
+    digest: str = Field(
+        "",
+        description=(
+            "decided_digest: binds the event to the session's committed context after it (prompt and every generated"
+            " token through this event). An edge that computes another from what it holds drops the event and resumes."
+        ),
+    )
+
+
+def decided_digest(event: DecidedTokens, context_digest_after: str) -> str:
+    """The digest of a decided event: over pydantic's JSON of its fields but ``digest``, then
+    ``context_digest_after`` (``protocol.context_digest`` of the prompt and every generated token
+    through this event). The verifier seals each event it sends with it; the edge recomputes it
+    from the prompt and the tokens it holds, so a token, a position or a finish changed on the way
+    (or an event that does not continue what the edge holds) fails the check and is never
+    emitted. Proposals carry none: the verifier verifies every proposed token, so a spoilt
+    proposal costs acceptance, never a wrong token.
+
+    Example: prompt [5, 6], event start 0, token_ids [7]: the JSON of (0, [7], 0, null), "|",
+    context_digest([5, 6, 7])."""
+    hasher = hashlib.blake2b(digest_size=16)
+    hasher.update(event.model_dump_json(exclude={"digest"}).encode())
+    hasher.update(b"|")
+    hasher.update(context_digest_after.encode())
+    return hasher.hexdigest()
+
+
+def checked_event(event: DecidedTokens, prompt: list[int], held: list[int]) -> bool:
+    """Whether ``event`` continues what an edge holds (``held``: the generated tokens it has) and
+    carries the digest the verifier would have sealed it with."""
+    if event.start != len(held):
+        return False
+    return event.digest == decided_digest(event, context_digest(prompt + held + event.token_ids))
 
 
 class PipelineClosed(BaseModel):

@@ -77,7 +77,9 @@ class VerifierSettings(ServiceSettings):
         False,
         description=(
             "Experimental: serve the pipelined-session wire (/v1/pipeline/sessions: the verifier decodes each session in"
-            " every forward and reads the edge's proposals as they arrive) beside the verify wire."
+            " every forward and reads the edge's proposals as they arrive) beside the verify wire. On --backend vllm each"
+            " session is one long-lived vLLM request whose speculative tokens are its edge's proposals (the engine starts"
+            " with vLLM's custom-class proposer)."
         ),
         json_schema_extra={"advanced": True},
     )

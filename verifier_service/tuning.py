@@ -61,6 +61,13 @@ class VerifierTuning:
     typical_gap_decay: float = 0.9
     """The same for the gap of all sessions together (a session's guess until it has gaps of its own)."""
 
+    # --- the vLLM session route (--backend vllm --pipelined-sessions) -----------------------------
+    vllm_speculative_tokens: int = 8
+    """Proposed tokens one vLLM step verifies per session at most (vLLM's ``num_speculative_tokens``;
+    it sizes every step's buffers for it). An edge's proposal runs a few tokens past what the
+    verifier has decided; 8 covers the 4-5 tokens a block is usually accepted for, and is about the
+    knee of an AVX-512 CPU's block cost (~9 rows, docs/runs/run-z.md)."""
+
     def __post_init__(self) -> None:
         fractions = (
             self.acceptance_prior,
@@ -74,7 +81,7 @@ class VerifierTuning:
             raise ValueError("priors and decays must be within [0, 1], and 0 < unsaturation <= saturation <= 1")
         if (
             min(self.prior_weight, self.busy_window_s, self.active_s, self.departure_margin) < 0
-            or min(self.exact_rows, self.max_point_age, self.min_chunk_rows) < 1
+            or min(self.exact_rows, self.max_point_age, self.min_chunk_rows, self.vllm_speculative_tokens) < 1
         ):
             raise ValueError("weights, windows and margins must be >= 0, row counts and ages >= 1")
 

@@ -19,21 +19,24 @@ contradiction, starts again after the decided tokens (a rolled-back draft):
 
 It acknowledges what it has seen with each proposal, and by an acknowledgement alone when it
 has nothing to propose and the verifier would otherwise reach its window. Every decided token is
-checked against the trace's target tokens (greedy: 0 mismatches).
+checked against the trace's target tokens (greedy: 0 mismatches), after its digest: an event
+whose digest does not match what the edge holds is dropped and the stream read again from there.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import httpx
 
+from edge_agent.pipeline_client import PipelineClient
 from spade_bench.capacity.emulated_edge import drafted_block
 from spade_bench.capacity.sessions import DraftTrace
+from spade_core.proposals import rebased_drafts
+from verifier_service.pipeline_protocol import DecidedTokens
 
 STEP_WEIGHT = 0.25
 """The weight of the newest gap in the edge's average of the verifier's step."""
@@ -60,6 +63,8 @@ class PipelinedRun:
     num_mismatches: int = 0
     num_from_proposal: int = 0
     finish_reason: str | None = None
+    num_bad_events: int = 0
+    """Decided events dropped for a digest that did not match what the edge holds."""
 
 
 @dataclass
@@ -73,17 +78,6 @@ class _Seen:
     step_s: float = 0.0
     """The verifier's step as the edge sees it: an average of the gaps between decided events."""
     last_event_at: float | None = None
-
-
-def rebased_drafts(seen: list[int], base: int, drafts: list[int]) -> list[int]:
-    """The drafts (from position ``base``) still worth having once ``seen`` holds what was
-    decided: those after it, where the decided ones after ``base`` confirm them; else none.
-
-    Example: base 2, drafts [c, d, e], seen [a, b, c, d] -> [e]; seen [a, b, x] -> []."""
-    decided = seen[base:]
-    if drafts[: len(decided)] != decided:
-        return []
-    return drafts[len(decided) :]
 
 
 class PipelinedEdge:
@@ -179,30 +173,31 @@ class PipelinedEdge:
         response.raise_for_status()
 
     async def _read(self, client: httpx.AsyncClient, session_id: str, seen: _Seen, run: PipelinedRun) -> None:
+        """The decided stream as the edge's ``PipelineClient`` reads it (each event checked
+        against what the edge holds, the stream read again from there after one that fails),
+        each event seen half an RTT after it left."""
         loop = asyncio.get_running_loop()
+        pipe = PipelineClient(client)
 
-        def arrive(event: dict) -> None:
+        def arrive(event: DecidedTokens) -> None:
             now = time.perf_counter()
-            if run.ttft_s is None and event["token_ids"]:
+            if run.ttft_s is None and event.token_ids:
                 run.ttft_s = now - run.started_at
             if seen.last_event_at is not None:
                 seen.step_s += STEP_WEIGHT * (now - seen.last_event_at - seen.step_s)
             seen.last_event_at = now
-            seen.tokens.extend(event["token_ids"])
-            seen.num_from_proposal += event["num_from_proposal"]
-            seen.finish_reason = event["finish_reason"]
+            seen.tokens.extend(event.token_ids)
+            seen.num_from_proposal += event.num_from_proposal
+            seen.finish_reason = event.finish_reason
             seen.changed.set()
             seen.changed = asyncio.Event()
 
         try:
-            async with client.stream("GET", f"/v1/pipeline/sessions/{session_id}/decided", params={"after": 0}) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if line.startswith("data:"):
-                        event = json.loads(line.removeprefix("data:"))
-                        loop.call_later(self.rtt_s / 2, arrive, event)
-                        if event["finish_reason"] is not None:
-                            return
+            async for event in pipe.decided(session_id, list(self.trace.prompt_token_ids)):
+                run.num_bad_events = pipe.num_bad_events
+                loop.call_later(self.rtt_s / 2, arrive, event)
+                if event.finish_reason is not None:
+                    return
             raise RuntimeError(f"session {session_id}: the decided stream ended before the session finished")
         except Exception:  # the drafting loop must not wait for tokens that will not come
             seen.finish_reason = "error"

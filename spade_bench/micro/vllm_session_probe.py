@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from verifier_service.backends.vllm.proposals import PROPOSER_CLASS
+
 MODES = ("plain", "empty", "proposed")
-PROPOSER_CLASS = "verifier_service.backends.vllm.proposals.SessionProposer"
 
 
 @dataclass(frozen=True)

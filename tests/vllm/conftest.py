@@ -96,3 +96,10 @@ def native_verifier(vllm_pair) -> Iterator[ServedVerifier]:
 def steps_verifier(vllm_pair) -> Iterator[ServedVerifier]:
     """Target-only requests as one verify call with an empty block per token (--target-route verify-steps)."""
     yield from served_verifier(vllm_pair, target_route="verify-steps")
+
+
+@pytest.fixture(scope="session")
+def pipelined_verifier(vllm_pair) -> Iterator[ServedVerifier]:
+    """Pipelined sessions on vLLM (--pipelined-sessions: the engine runs with the session proposer),
+    a window of 6 tokens."""
+    yield from served_verifier(vllm_pair, pipelined_sessions=True, pipeline_window_tokens=6)

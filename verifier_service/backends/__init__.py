@@ -11,16 +11,26 @@ from verifier_service.backends.base import BlockToVerify, BlockVerdict, Verifier
 
 if TYPE_CHECKING:
     from verifier_service.backends.vllm.backend import VllmEngineOptions
+    from verifier_service.pipeline import PipelinedSession
     from verifier_service.settings import VerifierSettings
 
-__all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend", "vllm_engine_options"]
+__all__ = ["BlockToVerify", "BlockVerdict", "VerifierBackend", "create_backend", "pipelined_session_type", "vllm_engine_options"]
 
 
 def vllm_engine_options(settings: VerifierSettings) -> VllmEngineOptions:
     """The ``VllmEngineOptions`` the settings ask for (``--backend vllm``): model length, KV cache,
     exact route, and vLLM's own parallelism. Importable without vLLM."""
     from verifier_service.backends.vllm.backend import VllmEngineOptions
+    from verifier_service.backends.vllm.proposals import SessionProposals
+    from verifier_service.tuning import TUNING
 
+    proposals = None
+    if settings.pipelined_sessions:  # one board slot a session, as long as the longest proposal the wire takes
+        proposals = SessionProposals(
+            num_slots=settings.max_sessions,
+            max_tokens=settings.pipeline_window_tokens + settings.max_draft_length,
+            num_speculative_tokens=min(settings.max_draft_length, TUNING.vllm_speculative_tokens),
+        )
     return VllmEngineOptions(
         dtype=settings.dtype,
         device=settings.device,
@@ -32,7 +42,21 @@ def vllm_engine_options(settings: VerifierSettings) -> VllmEngineOptions:
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         distributed_executor_backend=settings.distributed_executor_backend,
+        session_proposals=proposals,
     )
+
+
+def pipelined_session_type(backend: VerifierBackend) -> type[PipelinedSession]:
+    """What decodes a pipelined session on ``backend``: one verify block a forward
+    (``verifier_service.pipeline``), or on vLLM one long-lived request with the edge's proposals
+    as its speculative tokens (``verifier_service.backends.vllm.sessions``)."""
+    if backend.name == "vllm":
+        from verifier_service.backends.vllm.sessions import VllmPipelinedSession
+
+        return VllmPipelinedSession
+    from verifier_service.pipeline import PipelinedSession
+
+    return PipelinedSession
 
 
 async def create_backend(settings: VerifierSettings) -> VerifierBackend:

@@ -70,6 +70,7 @@ max_model_len for models with long native contexts.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -86,6 +87,7 @@ from spade_core.sampling import emitted_logprobs, position_uniforms, processed_p
 from spade_models import loader
 from spade_models.loader import ModelSource, eos_token_ids, tokenizer_fingerprint
 from verifier_service.backends.base import BlockToVerify, BlockVerdict, VerifierBackend
+from verifier_service.backends.vllm.proposals import BOARD_ENV, ProposalBoard, SessionProposals
 from verifier_service.backends.vllm.requests import (
     GREEDY,
     RowEntry,
@@ -139,6 +141,9 @@ class EngineHandle:
     reference goes with the shutdown (AsyncLLM.__del__ shuts down again, noisily at exit)."""
 
     engine: Any
+    board: ProposalBoard | None = None
+    """Where the session route posts proposals for the engine's ``SessionProposer`` (None: the
+    engine was started without speculation)."""
 
 
 class VllmBackend(VerifierBackend):
@@ -184,6 +189,11 @@ class VllmBackend(VerifierBackend):
             raise RuntimeError("the vLLM backend is closed")
         return self._handle.engine
 
+    @property
+    def proposal_board(self) -> ProposalBoard | None:
+        """The board the engine's proposer reads (None: started without ``session_proposals``)."""
+        return self._handle.board
+
     def with_route(self, exact_route: str) -> VllmBackend:
         """A backend on the same engine using another exact route (for measuring both)."""
         return VllmBackend(self._handle, self._description, self._tokenizer, exact_route=exact_route, startup=self.startup)
@@ -223,6 +233,9 @@ class VllmBackend(VerifierBackend):
         engine, self._handle.engine = self._handle.engine, None
         if engine is not None:
             await asyncio.to_thread(engine.shutdown)
+        board, self._handle.board = self._handle.board, None
+        if board is not None:
+            board.close()
 
     async def generate_tokens(self, prompt_ids: list[int], params: Any, cache_salt: str | None = None) -> Any:
         """One vLLM request to completion; returns its final RequestOutput."""
@@ -364,6 +377,9 @@ class VllmEngineOptions:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     """mp or ray (None: vLLM's choice)."""
+    session_proposals: SessionProposals | None = None
+    """Start the engine with ``SessionProposer`` as its speculative method, for the session route
+    (``verifier_service.backends.vllm.sessions``); None: no speculation."""
 
 
 def engine_arguments(directory: str, options: VllmEngineOptions, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -389,6 +405,8 @@ def engine_arguments(directory: str, options: VllmEngineOptions, engine_kwargs: 
     }
     if kv_cache_gib is not None:
         arguments["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if options.session_proposals is not None:
+        arguments["speculative_config"] = options.session_proposals.speculative_config()
     arguments |= parallelism_arguments(options)
     return {**arguments, **engine_kwargs}
 
@@ -407,6 +425,16 @@ def parallelism_arguments(options: VllmEngineOptions) -> dict[str, Any]:
     if options.distributed_executor_backend is not None:
         arguments["distributed_executor_backend"] = options.distributed_executor_backend
     return arguments
+
+
+def _proposal_board(proposals: SessionProposals | None) -> ProposalBoard | None:
+    """The board for the engine's ``SessionProposer``, named to it through the environment its
+    engine-core processes inherit (vLLM gives the class only its config); None without proposals."""
+    if proposals is None:
+        return None
+    board = ProposalBoard.create(proposals.num_slots, proposals.max_tokens)
+    os.environ[BOARD_ENV] = board.name
+    return board
 
 
 def _check_device(device: str) -> None:
@@ -462,15 +490,23 @@ async def create_vllm_backend(source: ModelSource, options: VllmEngineOptions | 
     started = time.perf_counter()
     directory = await asyncio.to_thread(model_directory, source, options.dtype)
     arguments = engine_arguments(directory, options, engine_kwargs)
-    engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**arguments))
+    board = _proposal_board(options.session_proposals)
+    try:
+        engine = await asyncio.to_thread(AsyncLLM.from_engine_args, AsyncEngineArgs(**arguments))
+    except BaseException:
+        if board is not None:
+            board.close()
+        raise
     engine_s = time.perf_counter() - started
     try:
         tokenizer = await asyncio.to_thread(_load_tokenizer, directory)
         model = describe_model(options.served_model_name or source.model_id, engine, tokenizer)
-        backend = VllmBackend(engine, model, tokenizer, exact_route=options.exact_route)
+        backend = VllmBackend(EngineHandle(engine, board), model, tokenizer, exact_route=options.exact_route)
         await warm_up(backend)
     except BaseException:
         engine.shutdown()
+        if board is not None:
+            board.close()
         raise
     backend.startup = EngineStartup(engine_s=engine_s, warmup_s=time.perf_counter() - started - engine_s)
     return backend

@@ -128,7 +128,7 @@ class VllmNativeEngine:
         prompt = token_prompt(request.prompt_token_ids, salt)
         self._metrics.prompt_tokens.inc(len(request.prompt_token_ids))
         outputs = self._backend.engine.generate(prompt, native_params(request), request.request_id)
-        stream = _openai_errors(outputs)
+        stream = openai_errors(outputs)
         try:
             async with contextlib.aclosing(stream):  # closing it early aborts the request in vLLM
                 async for output in stream:
@@ -151,7 +151,7 @@ class VllmNativeEngine:
         self._metrics.observe_native_request(tally.num_target_tokens, tally.num_generated, queue_s, is_aborted=not tally.is_finished)
 
 
-async def _openai_errors(outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+async def openai_errors(outputs: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
     """vLLM's outputs, its failures in the gateway's table: a request vLLM refuses is the
     client's (400), a dead engine an unavailable service (503); anything else stays ours (500)."""
     from vllm.exceptions import VLLMClientError

@@ -1,5 +1,5 @@
 """Edge proposals for vLLM's running requests, delivered into its engine process (experimental: the
-session route's first part; nothing in the service uses it yet).
+vLLM session route, ``verifier_service.backends.vllm.sessions``, posts them).
 
 The vLLM session route keeps one long-lived vLLM request per edge session in vLLM's running batch.
 The edge's proposals (token ids from a start position) must reach the model runner, which runs in
@@ -41,19 +41,37 @@ import mmap
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from spade_core.proposals import Proposal, aligned_proposal
+from verifier_service.backends.vllm.workarounds import fix_rejection_sampling
 
 BOARD_ENV = "SPADE_PROPOSAL_BOARD"
 """The environment variable that gives ``SessionProposer`` the board's path (vLLM gives the class
 only its config; the engine-core processes inherit the service's environment)."""
+PROPOSER_CLASS = "verifier_service.backends.vllm.proposals.SessionProposer"
 MAGIC = b"SPADEPB1"
 HEADER_BYTES = 64
 KEY_BYTES = 48
+
+
+@dataclass(frozen=True)
+class SessionProposals:
+    """How a vLLM engine takes edge proposals: a board of ``num_slots`` sessions holding
+    ``max_tokens`` token ids each, and at most ``num_speculative_tokens`` of a proposal verified
+    per request a step (vLLM sizes its step's buffers for that many)."""
+
+    num_slots: int
+    max_tokens: int
+    num_speculative_tokens: int
+
+    def speculative_config(self) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` that loads ``SessionProposer`` in its model runner."""
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": self.num_speculative_tokens}
 
 
 def slot_dtype(max_tokens: int) -> np.dtype:
@@ -186,6 +204,7 @@ class SessionProposer:
     def __init__(self, vllm_config: Any) -> None:
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
         self.board = ProposalBoard.attach(os.environ[BOARD_ENV])
+        fix_rejection_sampling()
         self.runner: Any = None
         self.calls = self.proposed_tokens = 0
 
