@@ -3,9 +3,10 @@ session, post proposals, read the decided tokens, close. On the verifier client'
 base URL, key and transport).
 
 Every decided event is checked before it is handed on (``checked_event``: it continues the tokens
-held, and its digest is the one the verifier seals it with): an event that fails is dropped and
-the stream read again from the tokens held, at most ``max_resumes`` times in a row; a stream
-that breaks is read again the same way. So a token changed on the way is never emitted.
+held, and its digest is the one the verifier seals it with): an event that fails, or does not
+parse, is dropped and the stream read again from the tokens held, at most ``max_resumes`` times in
+a row; a stream that breaks is read again the same way. So a token changed on the way is never
+emitted.
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ class PipelineClient:
             except httpx.HTTPError as error:
                 failures += 1
                 logger.warning("session %s: the decided stream broke (%s); reading again", session_id, error)
+            except ValueError as error:  # an event that is not a DecidedTokens (garbled on the way)
+                failures += 1
+                self.num_bad_events += 1
+                logger.warning("session %s: a decided event did not parse (%s); reading again", session_id, str(error).splitlines()[0])
             if failures > self.max_resumes:
                 raise ServiceUnavailableError(
                     f"the verifier's decided tokens for session {session_id} failed {failures} times in a row",
@@ -125,7 +130,8 @@ async def _raise_for_status(response: httpx.Response) -> None:
     if response.status_code == 400:
         raise InvalidRequestError(detail)
     if response.status_code == 429:
-        raise OverloadedError(detail, retry_after_s=int(response.headers.get("retry-after", "1") or 1))
+        retry_after = response.headers.get("retry-after", "1")
+        raise OverloadedError(detail, retry_after_s=int(retry_after) if retry_after.isdigit() else 1)
     if response.status_code in (401, 403):
         raise ServiceUnavailableError(f"{detail}; check --verifier-api-key", code="verifier_auth_failed")
     raise ServiceUnavailableError(detail, code="verifier_unavailable")

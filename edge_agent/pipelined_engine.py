@@ -168,6 +168,7 @@ class PipelinedEngine:
         drafting = asyncio.get_running_loop().create_task(
             self._draft_on(request, draft_session, decided, proposer, opened.window_tokens, stats)
         )
+        drafting.add_done_callback(_report_drafting_failure)
         try:
             async for event in self._client.decided(session_id, opening.prompt_tokens):
                 decided.add(event)
@@ -246,3 +247,10 @@ class PipelinedEngine:
         if self._closing:  # sessions still being closed: they go before the connection does
             await asyncio.wait(set(self._closing), timeout=5)
         await self._verify_wire.aclose()
+
+
+def _report_drafting_failure(task: asyncio.Task) -> None:
+    """A drafting loop that failed leaves the request to the verifier's own steps (still exact,
+    slower): logged, not raised."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("drafting stopped: %s", task.exception(), exc_info=task.exception())

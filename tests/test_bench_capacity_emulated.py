@@ -158,33 +158,36 @@ def test_edges_on_the_pipelined_wire_stay_exact_and_their_row_says_what_they_pro
 
 class SpoilingTransport(httpx.AsyncBaseTransport):
     """Loopback, except that the first decided event of each of the first ``streams`` decided
-    streams comes with one token id changed (as a faulty link or proxy might)."""
+    streams comes spoilt (as a faulty link or proxy might): one token id changed, or (``garble``)
+    its JSON broken."""
 
-    def __init__(self, streams: int) -> None:
+    def __init__(self, streams: int, garble: bool = False) -> None:
         self.inner = httpx.AsyncHTTPTransport()
-        self.left = streams
+        self.left, self.garble = streams, garble
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await self.inner.handle_async_request(request)
         if not request.url.path.endswith("/decided") or self.left == 0:
             return response
         self.left -= 1
-        return httpx.Response(response.status_code, headers=response.headers, stream=SpoiledStream(response.stream))
+        return httpx.Response(response.status_code, headers=response.headers, stream=SpoiledStream(response.stream, self.garble))
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
 class SpoiledStream(httpx.AsyncByteStream):
-    def __init__(self, inner: httpx.AsyncByteStream) -> None:
-        self.inner, self.spoilt = inner, False
+    def __init__(self, inner: httpx.AsyncByteStream, garble: bool) -> None:
+        self.inner, self.garble, self.spoilt = inner, garble, False
 
     async def __aiter__(self):
         async for chunk in self.inner:
             if not self.spoilt and b'"token_ids":[' in chunk:
                 at = chunk.index(b'"token_ids":[') + len(b'"token_ids":[')
                 digit = chunk[at : at + 1]
-                if digit.isdigit():  # an event with tokens: change its first token's first digit
+                if self.garble:
+                    chunk, self.spoilt = chunk[:at] + b"x" + chunk[at:], True
+                elif digit.isdigit():  # an event with tokens: change its first token's first digit
                     chunk, self.spoilt = chunk[:at] + (b"1" if digit != b"1" else b"2") + chunk[at + 1 :], True
             yield chunk
 
@@ -192,16 +195,18 @@ class SpoiledStream(httpx.AsyncByteStream):
         await self.inner.aclose()
 
 
-def test_a_pipelined_edge_drops_a_spoilt_decided_event_and_reads_on_from_what_it_holds(tiny_pair, traced):
-    """Two decided streams in a row bring a first event with a changed token: its digest fails,
-    the edge reads the stream again from the tokens it holds, and emits only the target's."""
+@pytest.mark.parametrize("garble", [False, True], ids=["changed-token", "broken-json"])
+def test_a_pipelined_edge_drops_a_spoilt_decided_event_and_reads_on_from_what_it_holds(tiny_pair, traced, garble):
+    """Two decided streams in a row bring a spoilt first event (a changed token: its digest
+    fails; broken JSON: it does not parse): the edge reads the stream again from the tokens it
+    holds, and emits only the target's."""
     from verifier_support import verifier_app
 
     app = verifier_app(tiny_pair, pipelined_sessions=True, pipeline_window_tokens=1)
     edge = PipelinedEdge(traced[0].trace, PipelinePolicy(4, 1), rtt_s=0.002)
 
     async def run():
-        async with httpx.AsyncClient(base_url=url, transport=SpoilingTransport(streams=2), timeout=60) as client:
+        async with httpx.AsyncClient(base_url=url, transport=SpoilingTransport(streams=2, garble=garble), timeout=60) as client:
             return await edge.run(client)
 
     with serve(app) as url:
