@@ -209,6 +209,8 @@ class PipelinedSession:
     # --- the decoding loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:
+        """Decode until the session finishes: past the window, wait for the edge; else advance
+        by one step of the backend's (``_advance``) on the decided context."""
         try:
             while self.finish_reason is None:
                 if self.window_full():
@@ -220,19 +222,29 @@ class PipelinedSession:
                 if room <= 0:
                     self._finish("length")
                     break
-                proposed = self._proposed(context, self._draft_limit(room))
-                block = replace(self.template, context_token_ids=context, draft_token_ids=proposed, draft_probs=None)
-                verdict = await self._backend.verify_block(block)
-                if self.finish_reason is not None:
-                    break
-                tokens, num_from_proposal, finish = decided_tokens(proposed, verdict, self._backend.model.eos_token_ids, room)
-                self._on_step(block, verdict, tokens, num_from_proposal)
-                self._decide(tokens, num_from_proposal, finish)
+                await self._advance(context, room)
         except asyncio.CancelledError:
             raise
         except Exception:  # what was decided before stands; the stream ends with "error"
             logger.warning("pipelined session %s: a step failed after %d tokens", self.session_id, len(self.generated), exc_info=True)
             self._finish("error")
+        finally:
+            self._ended()
+
+    async def _advance(self, context: list[int], room: int) -> None:
+        """One forward: the current proposal's drafts after ``context`` (or none) verified as a
+        block, its tokens decided (at most ``room``)."""
+        proposed = self._proposed(context, self._draft_limit(room))
+        block = replace(self.template, context_token_ids=context, draft_token_ids=proposed, draft_probs=None)
+        verdict = await self._backend.verify_block(block)
+        if self.finish_reason is not None:
+            return
+        tokens, num_from_proposal, finish = decided_tokens(proposed, verdict, self._backend.model.eos_token_ids, room)
+        self._on_step(block, verdict, tokens, num_from_proposal)
+        self._decide(tokens, num_from_proposal, finish)
+
+    def _ended(self) -> None:
+        """Called once the decoding loop has stopped, however it stopped."""
 
     def _draft_limit(self, room: int) -> int:
         """Drafts the next forward may verify: the verifier's bound and the room left, and the

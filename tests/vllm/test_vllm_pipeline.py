@@ -34,6 +34,7 @@ from spade_bench.loopback import wait_until
 from spade_core.params import SamplingConfig
 from spade_core.sampling import processed_probs
 from test_edge_sampling import chi_square_p_value
+from test_pipeline import pipeline_tokens, propose, read_decided
 from verifier_service.pipeline_protocol import DecidedTokens
 from verifier_support import greedy_continuation, new_session_id, random_tokens, verify, verify_body
 
@@ -55,31 +56,6 @@ def open_session(client: httpx.Client, prompt: list[int], max_tokens: int, sampl
     response = client.post("/v1/pipeline/sessions", json=body)
     assert response.status_code == 201, response.text
     return session_id
-
-
-def read_decided(client: httpx.Client, session_id: str, after: int, at_least: int) -> list[DecidedTokens]:
-    events, count = [], 0
-    with client.stream("GET", f"/v1/pipeline/sessions/{session_id}/decided", params={"after": after}) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data:"):
-                events.append(DecidedTokens.model_validate_json(line.removeprefix("data:")))
-                count += len(events[-1].token_ids)
-                if count >= at_least or events[-1].finish_reason is not None:
-                    break
-    return events
-
-
-def propose(client: httpx.Client, session_id: str, start: int, drafts: list[int], seen: int) -> None:
-    response = client.post(f"/v1/pipeline/sessions/{session_id}/proposals", json={"start": start, "draft_tokens": drafts, "seen": seen})
-    assert response.status_code == 204, response.text
-
-
-def pipeline_tokens(client: httpx.Client, source: str) -> float:
-    for line in client.get("/metrics").text.splitlines():
-        if line.startswith(f'spade_verifier_pipeline_tokens_total{{source="{source}"}}'):
-            return float(line.split()[-1])
-    raise AssertionError(f"no spade_verifier_pipeline_tokens_total{{source={source}}}")
 
 
 def proposal_tokens(client: httpx.Client) -> float:

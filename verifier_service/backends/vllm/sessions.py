@@ -40,7 +40,6 @@ not counted here; vLLM's own ``spec_decode`` counters are in its log.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import logging
@@ -124,30 +123,10 @@ class VllmPipelinedSession(PipelinedSession):
         """The engine's proposer reads the board: what became of a proposal is not known here."""
         self._proposal = None
 
-    async def _run(self) -> None:
-        try:
-            while self.finish_reason is None:
-                if self.window_full():
-                    changed = self._changed
-                    await changed.wait()
-                    continue
-                context = self.prompt + self.generated
-                room = min(self.max_tokens - len(self.generated), self._vllm.model.room(len(context)))
-                if room <= 0:
-                    self._finish("length")
-                    break
-                await self._decode(context, room)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # what was decided before stands; the stream ends with "error"
-            logger.warning(
-                "pipelined session %s: vLLM's request failed after %d tokens", self.session_id, len(self.generated), exc_info=True
-            )
-            self._finish("error")
-        finally:
-            self._board.retire(self.board_key)
+    def _ended(self) -> None:
+        self._board.retire(self.board_key)
 
-    async def _decode(self, context: list[int], room: int) -> None:
+    async def _advance(self, context: list[int], room: int) -> None:
         """One vLLM request from ``context``, until it finishes or the window fills (leaving
         the ``async with`` closes its stream, which aborts it in vLLM)."""
         salt = vllm_cache_salt(self.template.cache_namespace, self.session_id)
