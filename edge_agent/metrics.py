@@ -42,12 +42,18 @@ class EdgeMetrics:
             "Prompt tokens the verifier did not prefill: a prefix it had cached (same salt and key) covered them",
             registry=r,
         )
-        self.resyncs = Counter("spade_edge_resyncs", "Verify calls repeated with the full context after a 409", registry=r)
+        self.resyncs = Counter(
+            "spade_edge_resyncs",
+            "Sessions rebuilt on the verifier from the full context: a verify call repeated after a 409, or a pipelined session"
+            " opened again after a 404 (a restarted or another replica)",
+            registry=r,
+        )
         self.rejected_answers = Counter(
             "spade_edge_rejected_answers",
             (
                 "Verify answers rejected (garbled, invalid, failing the verdict digest, a 5xx) and asked for again, "
-                "in calls that then got a valid answer (calls that never did count in spade_edge_verify_failures)"
+                "in calls that then got a valid answer (calls that never did count in spade_edge_verify_failures); "
+                "on the pipelined-session wire, decided events dropped (failing their digest, or garbled) and read again"
             ),
             registry=r,
         )

@@ -4,19 +4,32 @@ base URL, key and transport).
 
 Every decided event is checked before it is handed on (``checked_event``: it continues the tokens
 held, and its digest is the one the verifier seals it with): an event that fails, or does not
-parse, is dropped and the stream read again from the tokens held, at most ``max_resumes`` times in
-a row; a stream that breaks is read again the same way. So a token changed on the way is never
+parse, is dropped and the stream read again from the tokens held; a stream that breaks, or a
+verifier (or the proxy before it) answering 5xx, is read again the same way, each time after a
+longer pause (at most ``max_resumes`` failures in a row). So a token changed on the way is never
 emitted.
+
+Resume. A verifier that answers that it does not hold the session (404 ``session_not_found``: the
+replica restarted, or the pool moved the session to another replica, or its idle TTL closed it),
+or ends it as ``closed`` while the edge still reads (a verifier shutting down), gets it opened
+again, under the same id, from the prompt and every token held (``RemoteSession.resumed_opening``):
+nothing decided is lost or doubled, and the positions the edge proposes at stay absolute. Every
+call of a session carries the pool's routing headers (``X-Spade-Session``, and ``X-Spade-Route``
+where the request has a prefix key), so the shipped nginx pool keeps it on one replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import httpx
 
-from gateway.errors import InvalidRequestError, OverloadedError, ServiceUnavailableError
+from gateway.affinity import ROUTE_HEADER, SESSION_HEADER
+from gateway.errors import BadGatewayError, InvalidRequestError, OverloadedError, ServiceUnavailableError
+from spade_core.params import continued_seed
 from verifier_service.pipeline_protocol import (
     DecidedTokens,
     PipelineOpen,
@@ -34,18 +47,142 @@ class PipelineUnsupported(Exception):
     """The verifier does not serve the pipelined-session wire (started without ``--pipelined-sessions``)."""
 
 
+class SessionGone(Exception):
+    """The verifier answered that it does not hold the session (404 ``session_not_found``)."""
+
+
+class BadAnswer(Exception):
+    """The verifier, or a proxy before it, answered wrongly: a decided event that failed its check
+    or did not parse, or a 5xx. The stream is read again after a pause."""
+
+
+@dataclass
+class RemoteSession:
+    """One pipelined session as the edge holds it: what opened it, the routing headers its calls
+    carry, and, once it was opened again (a resume), how many generated tokens came before the
+    verifier's session now serving it (``offset``: its positions start there)."""
+
+    opening: PipelineOpen
+    route_key: str | None = None
+    offset: int = 0
+    num_resumes: int = 0
+    num_bad_events: int = 0
+    """Decided events dropped for failing their check (or not parsing), then read again."""
+
+    @property
+    def session_id(self) -> str:
+        return self.opening.session_id
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json", SESSION_HEADER: self.session_id}
+        return headers | ({ROUTE_HEADER: self.route_key} if self.route_key else {})
+
+    def resumed_opening(self, held: list[int]) -> PipelineOpen:
+        """The opening of the session again after ``held`` generated tokens: their prompt is the
+        first prompt and ``held``, the rest of max_tokens, and a seed of its own
+        (``continued_seed``: an engine restarting its generator must not replay the first draws).
+
+        Example: prompt [5, 6], max_tokens 10, held [7, 8] -> prompt [5, 6, 7, 8], max_tokens 8."""
+        sampling = self.opening.sampling.model_copy(update={"seed": continued_seed(self.opening.sampling.seed, len(held))})
+        return self.opening.model_copy(
+            update={
+                "prompt_tokens": self.opening.prompt_tokens + held,
+                "max_tokens": self.opening.max_tokens - len(held),
+                "sampling": sampling,
+            }
+        )
+
+    def on_the_wire(self, proposal: PipelineProposal) -> PipelineProposal:
+        """``proposal`` (positions absolute, ``seen`` counting every token held) as the serving
+        session counts: its ``seen`` from where it started."""
+        if not self.offset:
+            return proposal
+        return proposal.model_copy(update={"seen": max(0, proposal.seen - self.offset)})
+
+
 class PipelineClient:
-    def __init__(self, http: httpx.AsyncClient, max_resumes: int = 8) -> None:
+    def __init__(self, http: httpx.AsyncClient, max_resumes: int = 8, pause_s: float = 0.05) -> None:
+        """``max_resumes``: failures in a row (events that fail their check, broken streams,
+        5xx) before a stream gives up; ``pause_s``: the pause before reading again after the
+        first, doubling to 1 s."""
         self._http = http
         self.max_resumes = max_resumes
+        self.pause_s = pause_s
         self.num_bad_events = 0
         """Decided events this client dropped for failing their check."""
+        self.num_resumes = 0
+        """Sessions this client opened again on a verifier that did not hold them."""
 
-    async def open(self, request: PipelineOpen) -> PipelineOpened:
-        """Open a session; raises ``PipelineUnsupported`` on a verifier without the wire, the
+    async def open(self, session: RemoteSession) -> PipelineOpened:
+        """Open ``session``; raises ``PipelineUnsupported`` on a verifier without the wire, the
         gateway's error for a refusal (429, 400) and ServiceUnavailableError when unreachable."""
+        return await self._open(session, session.opening)
+
+    async def propose(self, session: RemoteSession, proposal: PipelineProposal) -> None:
+        """Post a proposal; a lost one costs acceptance only, so failures are logged, not raised."""
+        path = f"{SESSIONS_PATH}/{session.session_id}/proposals"
         try:
-            response = await self._http.post(SESSIONS_PATH, content=request.model_dump_json(), headers=_JSON)
+            response = await self._http.post(path, content=session.on_the_wire(proposal).model_dump_json(), headers=session.headers)
+            if response.status_code != 204:
+                logger.debug("proposal for %s refused: %s %s", session.session_id, response.status_code, response.text[:200])
+        except httpx.HTTPError as error:
+            logger.debug("proposal for %s lost: %s", session.session_id, error)
+
+    async def decided(self, session: RemoteSession) -> AsyncIterator[DecidedTokens]:
+        """The session's decided events, each checked, until the one that finishes it; ``start``
+        counts every token generated for it, across resumes. Gives up after ``max_resumes``
+        failures in a row: 502 ``verifier_bad_response`` when the verifier kept answering wrongly
+        (events failing their check, garbled, 5xx), else 503 ``verifier_unavailable``."""
+        held: list[int] = []
+        failures, answered_badly = 0, False
+        while True:
+            if failures:
+                await asyncio.sleep(min(1.0, self.pause_s * 2 ** (failures - 1)))
+            prompt = session.opening.prompt_tokens + held[: session.offset]
+            try:
+                async for event in self._stream(session, len(held) - session.offset):
+                    if not checked_event(event, prompt, held[session.offset :]):
+                        raise BadAnswer("a decided event failed its check")
+                    failures, answered_badly = 0, False
+                    held += event.token_ids
+                    if event.finish_reason == "closed":  # not by this edge: shut down or evicted
+                        if event.token_ids:
+                            yield event.model_copy(update={"start": event.start + session.offset, "finish_reason": None})
+                        raise SessionGone(session.session_id)
+                    yield event.model_copy(update={"start": event.start + session.offset})
+                    if event.finish_reason is not None:
+                        return
+                raise httpx.RemoteProtocolError("the stream ended before the session did")
+            except SessionGone:
+                failures += 1
+                try:
+                    await self._resume(session, held)
+                except ServiceUnavailableError as error:  # the replica taking it is not up yet
+                    logger.warning("session %s: opening it again failed (%s)", session.session_id, error)
+            except BadAnswer as error:
+                failures, answered_badly = failures + 1, True
+                self.num_bad_events += 1
+                session.num_bad_events += 1
+                logger.warning("session %s: %s (%d in a row); reading again", session.session_id, error, failures)
+            except httpx.HTTPError as error:
+                failures += 1
+                logger.warning("session %s: the decided stream broke (%s); reading again", session.session_id, error)
+            if failures > self.max_resumes:
+                message = f"the verifier's decided tokens for session {session.session_id} failed {failures} times in a row"
+                if answered_badly:
+                    raise BadGatewayError(f"{message}; nothing of them was emitted", code="verifier_bad_response")
+                raise ServiceUnavailableError(message, code="verifier_unavailable")
+
+    async def close(self, session: RemoteSession) -> None:
+        try:
+            await self._http.delete(f"{SESSIONS_PATH}/{session.session_id}", headers=session.headers)
+        except httpx.HTTPError as error:  # the verifier's idle TTL frees it anyway
+            logger.debug("closing pipelined session %s failed: %s", session.session_id, error)
+
+    async def _open(self, session: RemoteSession, opening: PipelineOpen) -> PipelineOpened:
+        try:
+            response = await self._http.post(SESSIONS_PATH, content=opening.model_dump_json(), headers=session.headers)
         except httpx.HTTPError as error:
             raise ServiceUnavailableError(f"the verifier is unreachable: {error}", code="verifier_unavailable") from error
         if response.status_code == 404:
@@ -53,66 +190,47 @@ class PipelineClient:
         await _raise_for_status(response)
         return PipelineOpened.model_validate_json(response.content)
 
-    async def propose(self, session_id: str, proposal: PipelineProposal) -> None:
-        """Post a proposal; a lost one costs acceptance only, so failures are logged, not raised."""
+    async def _resume(self, session: RemoteSession, held: list[int]) -> None:
+        """Open ``session`` again, from every token ``held``, on a verifier that lost it."""
+        logger.warning("session %s: the verifier does not hold it; opening it again after %d tokens", session.session_id, len(held))
         try:
-            response = await self._http.post(f"{SESSIONS_PATH}/{session_id}/proposals", content=proposal.model_dump_json(), headers=_JSON)
-            if response.status_code != 204:
-                logger.debug("proposal for %s refused: %s %s", session_id, response.status_code, response.text[:200])
-        except httpx.HTTPError as error:
-            logger.debug("proposal for %s lost: %s", session_id, error)
+            await self._open(session, session.resumed_opening(held))
+        except PipelineUnsupported as error:  # a replica without the wire took the session
+            message = f"the session moved to a verifier without the wire: {error}"
+            raise ServiceUnavailableError(message, code="verifier_unavailable") from error
+        session.offset = len(held)
+        session.num_resumes += 1
+        self.num_resumes += 1
 
-    async def decided(self, session_id: str, prompt: list[int]) -> AsyncIterator[DecidedTokens]:
-        """The session's decided events, each checked, until the one that finishes it."""
-        held: list[int] = []
-        failures = 0
-        while True:
-            try:
-                async for event in self._stream(session_id, len(held)):
-                    if not checked_event(event, prompt, held):
-                        failures += 1
-                        self.num_bad_events += 1
-                        logger.warning("session %s: a decided event failed its check (%d in a row); reading again", session_id, failures)
-                        break
-                    failures = 0
-                    held += event.token_ids
-                    yield event
-                    if event.finish_reason is not None:
-                        return
-                else:
-                    failures += 1  # the stream ended before the session did
-            except httpx.HTTPError as error:
-                failures += 1
-                logger.warning("session %s: the decided stream broke (%s); reading again", session_id, error)
-            except ValueError as error:  # an event that is not a DecidedTokens (garbled on the way)
-                failures += 1
-                self.num_bad_events += 1
-                logger.warning("session %s: a decided event did not parse (%s); reading again", session_id, str(error).splitlines()[0])
-            if failures > self.max_resumes:
-                raise ServiceUnavailableError(
-                    f"the verifier's decided tokens for session {session_id} failed {failures} times in a row",
-                    code="verifier_unavailable",
-                )
-
-    async def close(self, session_id: str) -> None:
-        try:
-            await self._http.delete(f"{SESSIONS_PATH}/{session_id}")
-        except httpx.HTTPError as error:  # the verifier's idle TTL frees it anyway
-            logger.debug("closing pipelined session %s failed: %s", session_id, error)
-
-    async def _stream(self, session_id: str, after: int) -> AsyncIterator[DecidedTokens]:
-        async with self._http.stream(
-            "GET", f"{SESSIONS_PATH}/{session_id}/decided", params={"after": after}, timeout=_STREAM_TIMEOUT
-        ) as response:
+    async def _stream(self, session: RemoteSession, after: int) -> AsyncIterator[DecidedTokens]:
+        path = f"{SESSIONS_PATH}/{session.session_id}/decided"
+        headers = {name: value for name, value in session.headers.items() if name != "content-type"}
+        async with self._http.stream("GET", path, params={"after": after}, headers=headers, timeout=_STREAM_TIMEOUT) as response:
+            if response.status_code == 404 and await _error_code(response) == "session_not_found":
+                raise SessionGone(session.session_id)
+            if response.status_code >= 500:
+                await response.aread()
+                raise BadAnswer(f"the decided stream was answered {response.status_code}: {response.text[:200]}")
             await _raise_for_status(response)
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
-                    yield DecidedTokens.model_validate_json(line.removeprefix("data:"))
+                    try:
+                        event = DecidedTokens.model_validate_json(line.removeprefix("data:"))
+                    except ValueError as error:  # garbled on the way
+                        raise BadAnswer(f"a decided event did not parse ({str(error).splitlines()[0]})") from None
+                    yield event
 
 
-_JSON = {"content-type": "application/json"}
 _STREAM_TIMEOUT = httpx.Timeout(10.0, read=None)
 """A decided stream waits as long as the session decodes (the verifier pings it every 15 s)."""
+
+
+async def _error_code(response: httpx.Response) -> str | None:
+    await response.aread()
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def _raise_for_status(response: httpx.Response) -> None:

@@ -37,8 +37,9 @@ from edge_agent.draft_prefixes import request_prefix_owner
 from edge_agent.drafter import Drafter, DraftSession
 from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.pipeline_client import PipelineClient, PipelineUnsupported
+from edge_agent.pipeline_client import PipelineClient, PipelineUnsupported, RemoteSession
 from edge_agent.verifier_client import wire_cache_salt
+from gateway.affinity import route_key
 from gateway.engine import GeneratedTokens, GenerationRequest
 from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
@@ -74,7 +75,7 @@ class Proposer:
     ones are dropped: only the latest proposal counts)."""
 
     client: PipelineClient
-    session_id: str
+    session: RemoteSession
     sequence: int = 0
     pending: PipelineProposal | None = None
     sending: asyncio.Task | None = None
@@ -88,7 +89,7 @@ class Proposer:
     async def _send(self) -> None:
         while self.pending is not None:
             proposal, self.pending = self.pending, None
-            await self.client.propose(self.session_id, proposal)
+            await self.client.propose(self.session, proposal)
 
     def cancel(self) -> None:
         if self.sending is not None:
@@ -137,18 +138,19 @@ class PipelinedEngine:
             async for batch in self._verify_wire.generate(request, stats):
                 yield batch
             return
-        session_id = f"edge-{uuid.uuid4().hex}"
+        cache_salt = wire_cache_salt(request.cache_owner, request.cache_salt)
         opening = PipelineOpen(
-            session_id=session_id,
+            session_id=f"edge-{uuid.uuid4().hex}",
             prompt_tokens=list(request.prompt_token_ids),
             max_tokens=request.max_tokens,
             sampling=WireSampling.from_config(request.sampling),
-            cache_salt=wire_cache_salt(request.cache_owner, request.cache_salt),
+            cache_salt=cache_salt,
         )
+        session = RemoteSession(opening, route_key(request.prefix_key, cache_salt))
         try:
-            opened = await self._client.open(opening)
+            opened = await self._client.open(session)
             if opened.wire_version != PIPELINE_WIRE_VERSION:
-                self._close_soon(session_id)
+                self._close_soon(session)
                 raise PipelineUnsupported(
                     f"the verifier speaks pipelined-session wire {opened.wire_version}, this edge {PIPELINE_WIRE_VERSION}"
                 )
@@ -159,23 +161,23 @@ class PipelinedEngine:
                 yield batch
             return
         except BaseException:  # the caller went while the session opened: it may exist anyway
-            self._close_soon(session_id)
+            self._close_soon(session)
             raise
         record_request_started(self._metrics, len(request.prompt_token_ids))
         decided = DecidedSoFar()
         draft_session = self._drafter.start_session(request_prefix_owner(request))
-        proposer = Proposer(self._client, session_id)
+        proposer = Proposer(self._client, session)
         drafting = asyncio.get_running_loop().create_task(
             self._draft_on(request, draft_session, decided, proposer, opened.window_tokens, stats)
         )
         drafting.add_done_callback(_report_drafting_failure)
         try:
-            async for event in self._client.decided(session_id, opening.prompt_tokens):
+            async for event in self._client.decided(session):
                 decided.add(event)
                 self._account(event, stats)
                 if event.token_ids:
                     yield GeneratedTokens(list(event.token_ids))
-                if event.finish_reason in ("error", "closed"):
+                if event.finish_reason == "error":
                     raise ServiceUnavailableError(
                         f"the verifier ended the session ({event.finish_reason}) after {len(decided.tokens)} tokens",
                         code="verifier_unavailable",
@@ -187,13 +189,16 @@ class PipelinedEngine:
             decided.notify()
             drafting.cancel()
             proposer.cancel()
-            self._close_soon(session_id)
+            self._close_soon(session)
+            stats.resyncs += session.num_resumes
+            self._metrics.resyncs.inc(session.num_resumes)
+            self._metrics.rejected_answers.inc(session.num_bad_events)
             self._verify_wire.close_draft_session(draft_session)  # after a draft forward still running
             self._metrics.active_requests.dec()
 
-    def _close_soon(self, session_id: str) -> None:
+    def _close_soon(self, session: RemoteSession) -> None:
         """DELETE the session in the background: a finishing or cancelled request must not wait."""
-        task = asyncio.get_running_loop().create_task(self._client.close(session_id))
+        task = asyncio.get_running_loop().create_task(self._client.close(session))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 

@@ -28,6 +28,7 @@ import httpx
 
 from edge_agent.drafter import DraftBlock
 from edge_agent.pipeline_client import PipelineClient
+from gateway.affinity import ROUTE_HEADER, SESSION_HEADER
 from gateway.errors import BadGatewayError, GatewayError, RequestTooLargeError, ServiceUnavailableError
 from spade_core.params import SamplingConfig
 from verifier_service.protocol import (
@@ -46,13 +47,6 @@ logger = logging.getLogger(__name__)
 VerifierState = Literal["ok", "unreachable", "incompatible"]
 
 RETRYABLE_STATUSES = {429, 502, 503, 504}
-SESSION_HEADER = "X-Spade-Session"
-"""The session id again, as a header: a proxy in front of several verifier replicas pins each
-session to one of them without reading the body (docker/nginx/verifier-pool.conf)."""
-ROUTE_HEADER = "X-Spade-Route"
-"""The request's prefix key (``gateway.affinity``), on every call of its session: the pool's
-proxy hashes it, when present, instead of the session id, so requests that share a prefix (a
-chat's turns, the users of one system prompt) meet the replica that holds it."""
 
 
 class VerifierProtocolError(GatewayError):

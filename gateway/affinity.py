@@ -30,6 +30,14 @@ import json
 FIRST_BLOCK_TOKENS = 256
 """A completion prompt's tokens that name its prefix: the opening of a shared system prompt or document."""
 
+SESSION_HEADER = "X-Spade-Session"
+"""The session id again, as a header: a proxy in front of several verifier replicas pins each
+session to one of them (on either wire) without reading the body (docker/nginx/verifier-pool.conf)."""
+ROUTE_HEADER = "X-Spade-Route"
+"""The request's prefix key (``gateway.affinity``), on every call of its session: the pool's
+proxy hashes it, when present, instead of the session id, so requests that share a prefix (a
+chat's turns, the users of one system prompt) meet the replica that holds it."""
+
 
 def _digest(payload: str) -> str:
     return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()

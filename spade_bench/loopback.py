@@ -37,8 +37,13 @@ class LoopbackServer:
             _wait_ready(self.url + ready_path, timeout_s)
         return self.url
 
-    def stop(self) -> None:
+    def stop(self, force: bool = False) -> None:
+        """Stop serving. ``force``: drop open connections at once, as a crashed or killed
+        process would, instead of waiting for their responses to finish (a long-lived SSE stream
+        never does: uvicorn waits for it, and sse-starlette's drain hears only signals, which a
+        server in a thread does not get)."""
         if self._server is not None:
+            self._server.force_exit = force
             self._server.should_exit = True
             if self._thread is not None:
                 self._thread.join(timeout=30)

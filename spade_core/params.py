@@ -9,6 +9,7 @@ their fields from them, and ``SamplingConfig`` checks them again for callers in 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from dataclasses import dataclass
@@ -56,3 +57,17 @@ class SamplingConfig:
 def random_seed() -> int:
     """A fresh seed for a request that did not bring one."""
     return secrets.randbelow(MAX_SEED)
+
+
+def continued_seed(seed: int, num_generated: int) -> int:
+    """The seed of a request that goes on from ``num_generated`` tokens of an earlier one with
+    ``seed``: the seed itself from the start, another (the same every time) for each later start.
+    An engine whose generator restarts with each request (vLLM) would otherwise draw the same
+    uniforms again at later positions, tying their tokens to earlier ones. Used where a session's
+    decoding starts again: vLLM's session route adding a request again after a window stop, and an
+    edge opening its session again on another verifier replica.
+
+    Example: (7, 0) -> 7; (7, 40) -> another seed, the same every time."""
+    if num_generated == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest(), "little") >> 1

@@ -87,16 +87,27 @@ def test_the_pool_hashes_the_route_header_else_the_session_header_on_a_consisten
     assert re.search(rf"map \{route_variable} \$spade_replica_key \{{\s*\"\" \$spade_session;", text)
 
 
-def test_a_delete_without_the_header_is_pinned_by_the_id_in_its_path():
-    """The fallback map turns the verifier's DELETE route into the session id."""
+@pytest.mark.parametrize(
+    ("route", "path"),
+    [
+        ("/v1/sessions/{session_id}", "/v1/sessions/edge-0123abcd"),
+        ("/v1/pipeline/sessions/{session_id}", "/v1/pipeline/sessions/edge-0123abcd"),
+        ("/v1/pipeline/sessions/{session_id}/proposals", "/v1/pipeline/sessions/edge-0123abcd/proposals"),
+        ("/v1/pipeline/sessions/{session_id}/decided", "/v1/pipeline/sessions/edge-0123abcd/decided"),
+    ],
+)
+def test_a_call_without_the_header_is_pinned_by_the_id_in_its_path(route, path):
+    """The fallback map turns the verifier's session routes (the DELETE of either wire, and the
+    pipelined wire's proposals and decided stream) into the session id."""
     from verifier_service.app import create_app
     from verifier_service.settings import VerifierSettings
 
-    routes = {getattr(route, "path", None) for route in create_app(VerifierSettings()).routes}
-    assert "/v1/sessions/{session_id}" in routes
-    pattern = re.search(r'"~(\^/v1/sessions/.*?)"\s+\$session_id;', NGINX_POOL_CONF.read_text()).group(1)
-    match = re.fullmatch(pattern.replace("(?<", "(?P<"), "/v1/sessions/edge-0123abcd")
+    routes = {getattr(route, "path", None) for route in create_app(VerifierSettings(pipelined_sessions=True)).routes}
+    assert route in routes
+    pattern = re.search(r'"~(\^/v1/.*?)"\s+\$session_id;', NGINX_POOL_CONF.read_text()).group(1)
+    match = re.fullmatch(pattern.replace("(?<", "(?P<"), path)
     assert match and match.group("session_id") == "edge-0123abcd"
+    assert re.fullmatch(pattern.replace("(?<", "(?P<"), "/v1/chat/completions") is None
 
 
 def test_nginx_accepts_the_pool_config(tmp_path):

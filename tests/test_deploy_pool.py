@@ -1,6 +1,8 @@
 """Two verifier replicas behind the shipped nginx pool config (docker/nginx/verifier-pool.conf),
 run by a real nginx on loopback: each session is pinned to one replica, and a replica restarted
-in the middle of a stream costs exactly one 409 resync while the output stays the target's.
+in the middle of a stream costs exactly one 409 resync while the output stays the target's; on
+the pipelined-session wire, whose decided stream is long-lived, a replica killed mid-stream costs
+one 404 and the session opened again from the tokens the edge holds.
 
 The replicas are real uvicorn servers on the tiny target (threads of this process, each with its
 own event loop and port); the edge is the real speculative engine whose verifier client talks
@@ -11,6 +13,7 @@ that answered ($upstream_addr), so the routing itself is observed, not inferred.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from collections import defaultdict
@@ -76,10 +79,17 @@ class Pool:
     def num_requests(self) -> int:
         return len(self.access_log.read_text().splitlines())
 
-    def restart(self, name: str) -> None:
+    def restart(self, name: str, force: bool = False) -> None:
+        """Stop replica ``name`` (``force``: drop its open streams, as a crash would) and start it
+        again on its port, holding no sessions."""
         server = self.replicas[name]
-        server.stop()
-        server.start(verifier_app(self.tiny_pair, api_key=KEY))  # same port, no sessions
+        server.stop(force)
+        server.start(replica_app(self.tiny_pair))
+
+
+def replica_app(tiny_pair):
+    """A replica serving both wires: the verify wire and the pipelined-session wire."""
+    return verifier_app(tiny_pair, api_key=KEY, pipelined_sessions=True)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +99,7 @@ def pool(tiny_pair, tmp_path_factory):
     listen_port = free_port()
     try:
         for server in replicas.values():
-            server.start(verifier_app(tiny_pair, api_key=KEY))
+            server.start(replica_app(tiny_pair))
         config = render_pool_config(directory, listen_port, {name: server.port for name, server in replicas.items()})
         text = config.read_text().replace("http {\n", f"http {{\n    {ACCESS_LOG_FORMAT}\n")
         config.write_text(re.sub(r"access_log (\S+);", r"access_log \1 routing;", text))
@@ -258,3 +268,113 @@ def test_requests_sharing_a_prefix_meet_on_one_replica_and_prefixes_spread(pool)
         if method in ("POST", "DELETE"):
             sessions[session].add(replica)
     assert len(sessions) == 20 and all(len(replicas_of_session) == 1 for replicas_of_session in sessions.values())
+
+
+# --- the pipelined-session wire through the pool: a replica killed mid-stream ----------------------
+
+RESTART_AT_SEEN = 8
+"""The replica holding the session is killed before the first proposal that acknowledges this
+many decided tokens: the edge holds them, and the verifier's session is gone with its process."""
+
+
+class KillingTransport(httpx.AsyncHTTPTransport):
+    """The edge's real HTTP transport; before the first proposal acknowledging ``at_seen``
+    tokens it kills the replica holding the session (its decided stream breaks, as a crashed
+    process's would) and starts it again, empty, on its port."""
+
+    def __init__(self, pool: Pool, at_seen: int) -> None:
+        super().__init__()
+        self.pool, self.at_seen = pool, at_seen
+        self.holder: str | None = None
+        self.num_tokens_held_then = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.holder is None and request.method == "POST" and request.url.path.endswith("/proposals"):
+            seen = json.loads(request.content)["seen"]
+            if seen >= self.at_seen:
+                self.num_tokens_held_then = seen
+                await asyncio.to_thread(self._kill_the_holder)
+        return await super().handle_async_request(request)
+
+    def _kill_the_holder(self) -> None:
+        sessions = {name: metrics_of(server)["spade_verifier_pipeline_sessions"] for name, server in self.pool.replicas.items()}
+        self.holder = next(name for name, count in sessions.items() if count == 1)
+        self.pool.restart(self.holder, force=True)
+
+
+@dataclass(frozen=True)
+class KilledStream:
+    prompt_ids: list[int]
+    eos_token_ids: frozenset[int]
+    token_ids: list[int]
+    stats: SpadeStats
+    holder: str | None
+    num_tokens_held_then: int
+    routes: list[tuple[str, str, str, str, str]]
+    after: dict[str, dict[str, float]]
+
+
+async def _pipelined_stream_through_a_kill(pool: Pool) -> KilledStream:
+    transport = KillingTransport(pool, RESTART_AT_SEEN)
+    earlier_requests = len(pool.routes())
+    settings = EdgeSettings(
+        draft_model=str(pool.tiny_pair.draft_dir), verifier_url=pool.url, verifier_wire="pipelined", verifier_api_key=KEY
+    )
+    engine = await build_engine(settings, EdgeMetrics(), transport=transport)
+    stats, token_ids = SpadeStats(), []
+    request = GenerationRequest(
+        "pool-pipelined", engine.tokenizer.encode(PROMPT), MAX_TOKENS, SamplingConfig(temperature=0), engine.model.eos_token_ids
+    )
+    try:
+        async for batch in engine.generate(request, stats):
+            token_ids += batch.token_ids
+    finally:
+        await engine.aclose()  # waits for the DELETE that ends the session
+    routes = [row for row in pool.routes(earlier_requests) if row[1] != "/health"]
+    after = {name: metrics_of(server) for name, server in pool.replicas.items()}
+    return KilledStream(
+        request.prompt_token_ids,
+        request.eos_token_ids,
+        token_ids,
+        stats,
+        transport.holder,
+        transport.num_tokens_held_then,
+        routes,
+        after,
+    )
+
+
+@pytest.fixture(scope="module")
+def killed(pool, target_model) -> tuple[KilledStream, list[int]]:
+    stream = asyncio.run(_pipelined_stream_through_a_kill(pool))
+    return stream, greedy_continuation(target_model.model, stream.prompt_ids, MAX_TOKENS, stream.eos_token_ids)
+
+
+def test_the_pipelined_output_through_the_kill_is_the_targets_own(killed):
+    stream, target_only = killed
+    assert stream.holder is not None and stream.num_tokens_held_then >= RESTART_AT_SEEN
+    assert stream.token_ids == target_only and len(target_only) > RESTART_AT_SEEN
+
+
+def test_the_kill_cost_one_404_and_the_session_opened_once_more_on_the_same_replica(killed):
+    stream, _ = killed
+    assert stream.stats.resyncs == 1
+    opens = [(replica, status) for method, path, _, replica, status in stream.routes if (method, path) == ("POST", "/v1/pipeline/sessions")]
+    assert opens == [(stream.holder, "201")] * 2
+    not_found = [(method, path.rsplit("/", 1)[-1]) for method, path, _, _, status in stream.routes if status == "404"]
+    assert ("GET", "decided") in not_found
+    assert all(method in ("GET", "POST") for method, _ in not_found)  # the stream's re-read, and proposals posted meanwhile
+
+
+def test_every_call_of_the_pipelined_session_carried_its_id_and_reached_one_replica(killed):
+    stream, _ = killed
+    assert {method for method, *_ in stream.routes} == {"POST", "GET", "DELETE"}
+    assert len({session for _, _, session, _, _ in stream.routes}) == 1
+    assert {replica.split(" > ")[-1] for *_, replica, _ in stream.routes} == {stream.holder}
+
+
+def test_no_pipelined_session_is_left_on_either_replica(killed):
+    stream, _ = killed
+    deletes = [(replica, status) for method, _, _, replica, status in stream.routes if method == "DELETE"]
+    assert deletes == [(stream.holder, "200")]
+    assert {name: values["spade_verifier_pipeline_sessions"] for name, values in stream.after.items()} == {"verifier-a": 0, "verifier-b": 0}

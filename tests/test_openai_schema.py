@@ -156,7 +156,7 @@ def bad_gateway(tiny_pair, urls) -> tuple[httpx.Response, list[dict]]:
     proxy = FaultProxy(urls[0], rate=1.0, kinds=("server_error",))
     with serve(proxy) as proxy_url, serve(edge_app(tiny_pair, proxy_url, "3", verify_retries=1)) as edge:
         refused = httpx.post(edge + "/v1/completions", json=COMPLETION, timeout=60)
-        proxy.spare_until = proxy.num_verify_answers + 1  # the first block goes out, then every answer fails
+        proxy.spare_until = proxy.num_answers + 1  # the first block goes out, then every answer fails
         body = COMPLETION | {"max_tokens": 40, "stream": True}
         with httpx.stream("POST", edge + "/v1/completions", json=body, timeout=60) as response:
             payloads = sse_payloads(response.iter_lines())

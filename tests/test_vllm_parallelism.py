@@ -102,9 +102,9 @@ def test_a_pipelined_session_is_decoded_by_the_backends_own_kind():
 def test_a_session_request_added_again_draws_from_a_seed_of_its_own():
     """After a window stop the session's vLLM request is added again: its generator must not
     replay the uniforms the first request drew (the same seed would)."""
-    from verifier_service.backends.vllm.sessions import request_seed
+    from spade_core.params import continued_seed
 
-    assert request_seed(7, 0) == 7
-    assert request_seed(7, 40) == request_seed(7, 40) != 7
-    assert len({request_seed(7, n) for n in range(1, 200)} | {request_seed(8, 40)}) == 200
-    assert all(0 <= request_seed(seed, 40) < 2**63 for seed in (0, 7, 2**62))
+    assert continued_seed(7, 0) == 7
+    assert continued_seed(7, 40) == continued_seed(7, 40) != 7
+    assert len({continued_seed(7, n) for n in range(1, 200)} | {continued_seed(8, 40)}) == 200
+    assert all(0 <= continued_seed(seed, 40) < 2**63 for seed in (0, 7, 2**62))

@@ -35,8 +35,12 @@ Integrity: each decided event is sealed with ``decided_digest`` (its fields and 
 committed context after it); an edge checks it (``checked_event``) and, at a failure, drops the
 event and reads the stream again from the tokens it holds (``after``).
 
-Not yet on this wire (it is a spike measured against today's): resuming a session on another
-replica, stop strings at the verifier, logprobs. Its wire version is separate from today's and is not announced in /health.
+Resume: an edge whose verifier answers 404 ``session_not_found`` for a session (a restarted or
+another replica) opens it again from the prompt and the tokens it holds
+(``edge_agent.pipeline_client``); every call carries ``X-Spade-Session`` for the pool.
+
+Not yet on this wire (it is experimental, measured against today's): stop strings at the
+verifier, logprobs. Its wire version is separate from today's and is not announced in /health.
 """
 
 from __future__ import annotations

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from edge_agent.pipeline_client import PipelineClient
+from edge_agent.pipeline_client import PipelineClient, RemoteSession
 from spade_bench.capacity.emulated_edge import drafted_block
 from spade_bench.capacity.sessions import DraftTrace
 from spade_core.proposals import rebased_drafts
-from verifier_service.pipeline_protocol import DecidedTokens
+from verifier_service.pipeline_protocol import DecidedTokens, PipelineOpen
+from verifier_service.protocol import WireSampling
 
 STEP_WEIGHT = 0.25
 """The weight of the newest gap in the edge's average of the verifier's step."""
@@ -91,18 +92,18 @@ class PipelinedEdge:
         session_id = f"pipe-{uuid.uuid4().hex[:12]}"
         prompt_length, target = len(trace.prompt_token_ids), trace.target_token_ids
         await asyncio.sleep(self.rtt_s / 2)
-        body = {
-            "session_id": session_id,
-            "prompt_tokens": trace.prompt_token_ids,
-            "max_tokens": len(target),
-            "sampling": {"temperature": 0.0},
-            "cache_salt": session_id,  # nothing cached by another level or mode
-        }
-        opened = await client.post("/v1/pipeline/sessions", json=body)
+        opening = PipelineOpen(
+            session_id=session_id,
+            prompt_tokens=list(trace.prompt_token_ids),
+            max_tokens=len(target),
+            sampling=WireSampling(temperature=0.0),
+            cache_salt=session_id,  # nothing cached by another level or mode
+        )
+        opened = await client.post("/v1/pipeline/sessions", content=opening.model_dump_json(), headers={"content-type": "application/json"})
         opened.raise_for_status()
         window = opened.json()["window_tokens"]
         seen = _Seen()
-        reader = asyncio.create_task(self._read(client, session_id, seen, run))
+        reader = asyncio.create_task(self._read(client, RemoteSession(opening), seen, run))
         senders: set[asyncio.Task] = set()
         sequence, last_sent_at = 0, 0.0
 
@@ -172,7 +173,7 @@ class PipelinedEdge:
         response = await client.post(f"/v1/pipeline/sessions/{session_id}/proposals", json=message)
         response.raise_for_status()
 
-    async def _read(self, client: httpx.AsyncClient, session_id: str, seen: _Seen, run: PipelinedRun) -> None:
+    async def _read(self, client: httpx.AsyncClient, session: RemoteSession, seen: _Seen, run: PipelinedRun) -> None:
         """The decided stream as the edge's ``PipelineClient`` reads it (each event checked
         against what the edge holds, the stream read again from there after one that fails),
         each event seen half an RTT after it left."""
@@ -193,12 +194,12 @@ class PipelinedEdge:
             seen.changed = asyncio.Event()
 
         try:
-            async for event in pipe.decided(session_id, list(self.trace.prompt_token_ids)):
+            async for event in pipe.decided(session):
                 run.num_bad_events = pipe.num_bad_events
                 loop.call_later(self.rtt_s / 2, arrive, event)
                 if event.finish_reason is not None:
                     return
-            raise RuntimeError(f"session {session_id}: the decided stream ended before the session finished")
+            raise RuntimeError(f"session {session.session_id}: the decided stream ended before the session finished")
         except Exception:  # the drafting loop must not wait for tokens that will not come
             seen.finish_reason = "error"
             seen.changed.set()

@@ -29,12 +29,14 @@ import pytest
 import torch
 
 from edge_support import edge_app
+from link_fault_support import pipelined_fault_run
 from servers import serve
 from spade_bench.loopback import wait_until
 from spade_core.params import SamplingConfig
 from spade_core.sampling import processed_probs
 from test_edge_sampling import chi_square_p_value
 from test_pipeline import pipeline_tokens, propose, read_decided
+from test_steps_ahead import metric
 from verifier_service.pipeline_protocol import DecidedTokens
 from verifier_support import greedy_continuation, new_session_id, random_tokens, verify, verify_body
 
@@ -234,3 +236,28 @@ def test_the_edge_on_the_pipelined_wire_gives_vllms_greedy_text(pipelined, pipel
         ]
     assert outputs == expected
     assert proposal_tokens(client) > before, "vLLM took none of the edge's drafts"
+
+
+def test_the_link_fault_proxy_gives_no_wrong_token_and_no_500_on_vllms_session_route(pipelined, pipelined_verifier, vllm_pair):
+    """The link-integrity bar on this backend: the fault proxy between the edge (pipelined wire)
+    and vLLM's session route spoils decided events and proposals (``test_link_faults_pipelined``
+    has the whole run against the transformers backend); no wrong token, no 500, a clear error
+    when every event is spoiled, and no vLLM request left behind."""
+    run, proxy = pipelined_fault_run(
+        pipelined_verifier.url,
+        lambda proxy_url: edge_app(vllm_pair, proxy_url, verifier_wire="pipelined"),
+        rates=(0.1, 0.2),
+        requests_per_rate=12,
+        max_tokens=12,
+        seed=40,
+    )
+    assert sum(proxy.injected.values()) > 20 and proxy.injected["proposal"] > 0
+    assert run.wrong() == [] and run.unclear() == [] and run.server_errors() == []
+    assert len(run.exact()) >= 0.9 * len(run.outcomes)
+    assert [(o.streamed, o.error["code"]) for o in run.all_bad] == [
+        (streamed, "verifier_bad_response") for streamed in (False, True, False, True)
+    ]
+    client, app = pipelined
+    engine = app.state.service.backend.engine
+    assert wait_until(lambda: metric(client, "spade_verifier_pipeline_sessions") == 0, timeout_s=20)
+    assert wait_until(lambda: engine.output_processor.get_num_unfinished_requests() == 0, timeout_s=30)

@@ -26,7 +26,7 @@ tokens once the edge acknowledges more. vLLM's prefix cache serves that context 
 recomputes the last partial KV block). The overshoot past the window is what vLLM decided before
 the abort landed: a step or two, up to ``num_speculative_tokens`` + 1 tokens a step. It is decided
 text like any other and goes to the edge. A request added again is seeded anew
-(``request_seed``): vLLM's generator restarts with each request, and the session's seed again
+(``spade_core.params.continued_seed``): vLLM's generator restarts with each request, and the session's seed again
 would reuse the uniforms of earlier positions. Closing a session, its idle TTL and the service's
 shutdown abort its request.
 
@@ -41,12 +41,11 @@ not counted here; vLLM's own ``spec_decode`` counters are in its log.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import uuid
 from typing import Any
 
-from spade_core.params import SamplingConfig
+from spade_core.params import SamplingConfig, continued_seed
 from verifier_service.backends.vllm.backend import VllmBackend
 from verifier_service.backends.vllm.native import openai_errors
 from verifier_service.backends.vllm.requests import token_prompt, vllm_cache_salt
@@ -54,18 +53,6 @@ from verifier_service.pipeline import PipelinedSession, ProposalOutcome
 from verifier_service.pipeline_protocol import FinishReason, PipelineProposal
 
 logger = logging.getLogger(__name__)
-
-
-def request_seed(seed: int, num_generated: int) -> int:
-    """The seed of a session's request added after ``num_generated`` tokens: the session's own
-    for its first request, another for each request added again after a window stop. vLLM's
-    per-request generator restarts with each request, and the same seed would draw the same
-    uniforms again at later positions, tying their tokens to earlier ones.
-
-    Example: (7, 0) -> 7; (7, 40) -> another seed, the same every time."""
-    if num_generated == 0:
-        return seed
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{num_generated}".encode(), digest_size=8).digest(), "little") >> 1
 
 
 def session_params(sampling: SamplingConfig, max_tokens: int, eos_token_ids: frozenset[int], num_generated: int = 0) -> Any:
@@ -80,7 +67,7 @@ def session_params(sampling: SamplingConfig, max_tokens: int, eos_token_ids: fro
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
-        seed=None if sampling.is_greedy else request_seed(sampling.seed, num_generated),
+        seed=None if sampling.is_greedy else continued_seed(sampling.seed, num_generated),
         max_tokens=max_tokens,
         stop_token_ids=sorted(eos_token_ids),
         detokenize=False,
