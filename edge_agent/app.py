@@ -22,7 +22,7 @@ from edge_agent.engine import EngineOptions, ServedModel, SpeculativeEngine
 from edge_agent.health import EdgeHealth, VerifierProbe, health_status
 from edge_agent.llamacpp_drafter import LlamaCppDraftModel
 from edge_agent.metrics import EdgeMetrics
-from edge_agent.pipelined_engine import PipelinedEngine
+from edge_agent.pipelined_engine import PipelinedEngine, chosen_wire
 from edge_agent.settings import EdgeSettings
 from edge_agent.tuning import TUNING
 from edge_agent.verifier_client import VerifierClient, VerifierState, check_tokenizer
@@ -88,7 +88,9 @@ async def build_engine(
     )
     metrics.watch_drafter(drafter)
     engine = SpeculativeEngine(drafter, client, ServedModel(described_model(health), draft.tokenizer), metrics, options)
-    if settings.verifier_wire == "pipelined":
+    wire = chosen_wire(settings.verifier_wire, health)
+    logger.info("speaking the %s wire to the verifier (--verifier-wire %s)", wire, settings.verifier_wire)
+    if wire == "pipelined":
         return PipelinedEngine(engine, drafter, client.pipeline_client(), metrics, engine.draft_executor, TUNING.pipeline_lead_tokens)
     return engine
 

@@ -13,9 +13,11 @@ it is given, so it is rolled back there).
 
 Exactness comes from the verifier: every streamed token is one it decided (each event checked
 against its digest, ``PipelineClient.decided``); proposals are token ids verified with a one-hot
-q, which is exact whatever drafted them, at any temperature (the drafter samples from its own
-distribution; acceptance is sum p.q). A seed no longer fixes a sampled text (which positions a
-proposal covers depends on timing): docs/api.md says so.
+q, which is exact whatever drafted them (as long as the draft does not depend on the target's p),
+at any temperature. So the drafter drafts greedily at every temperature (``DRAFTS``): a greedy
+draft is accepted with probability p(argmax q), a draft sampled from q with sum p.q, which is lower
+on the real pair (``spade_bench.micro.onehot_acceptance``, docs/benchmarks.md). A seed no longer
+fixes a sampled text (which positions a proposal covers depends on timing): docs/api.md says so.
 
 What it leaves to the verify wire (``SpeculativeEngine``, which it wraps): requests asking for
 logprobs (not on this wire yet), and every request once a verifier has answered that it does not
@@ -44,11 +46,27 @@ from gateway.engine import GeneratedTokens, GenerationRequest
 from gateway.errors import ServiceUnavailableError
 from gateway.model import ModelDescription
 from gateway.protocol import SpadeStats
+from spade_core.params import SamplingConfig
 from spade_core.proposals import rebased_drafts
 from verifier_service.pipeline_protocol import PIPELINE_WIRE_VERSION, DecidedTokens, PipelineOpen, PipelineProposal
-from verifier_service.protocol import WireSampling
+from verifier_service.protocol import VerifierHealth, WireSampling
 
 logger = logging.getLogger(__name__)
+
+DRAFTS = SamplingConfig(temperature=0.0)
+"""How the edge drafts on this wire, whatever the request's sampling: greedily. The verifier
+verifies token ids one-hot, so any draft that does not depend on p is exact, and the greedy one
+is accepted more often than a sample of q at temperature > 0 (the module's docstring)."""
+
+
+def chosen_wire(setting: str, health: VerifierHealth) -> str:
+    """The wire the edge speaks to a verifier: ``--verifier-wire``, or for ``auto`` the one the
+    verifier's ``/health`` prefers (``preferred_wire``: pipelined on a vLLM verifier serving
+    pipelined sessions, else verify).
+
+    Example: auto and a verifier preferring pipelined -> pipelined; auto and an older verifier,
+    whose /health says nothing -> verify; pipelined -> pipelined whatever the verifier prefers."""
+    return health.preferred_wire if setting == "auto" else setting
 
 
 @dataclass
@@ -224,7 +242,7 @@ class PipelinedEngine:
                     acknowledged = base
             if base + len(drafts) < request.max_tokens and len(drafts) < self.lead_tokens:
                 context = prompt + decided.tokens[:base] + drafts
-                block = await loop.run_in_executor(self._executor, draft_session.propose, context, 1, request.sampling)
+                block = await loop.run_in_executor(self._executor, draft_session.propose, context, 1, DRAFTS)
                 stats.drafted_tokens += len(block.token_ids)
                 self._metrics.drafted_tokens.inc(len(block.token_ids))
                 drafts = drafts + block.token_ids

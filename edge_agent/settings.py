@@ -55,13 +55,14 @@ class EdgeSettings(ServiceSettings):
             "fastest setting measured: docs/benchmarks.md) to choose it before each block from acceptance and round trip."
         ),
     )
-    verifier_wire: Literal["verify", "pipelined"] = Field(
-        "verify",
+    verifier_wire: Literal["auto", "verify", "pipelined"] = Field(
+        "auto",
         description=(
-            "Experimental: 'pipelined' speaks the pipelined-session wire (the verifier decodes each request in every"
-            " forward and the edge's drafts are proposals; the verifier needs --pipelined-sessions). A seed no longer"
+            "'pipelined' speaks the pipelined-session wire (experimental: the verifier decodes each request in every"
+            " forward and the edge's drafts are proposals; the verifier needs --pipelined-sessions; a seed no longer"
             " fixes a sampled text; requests asking for logprobs, and every request to a verifier without the wire, go"
-            " on the verify wire."
+            " on the verify wire). 'auto' takes the wire the verifier's /health prefers at start-up (pipelined on a vLLM"
+            " verifier serving pipelined sessions, where it measured faster; else verify)."
         ),
         json_schema_extra={"advanced": True},
     )

@@ -109,3 +109,30 @@ def test_the_host_bound_shape_and_the_verifier_cores_reach_the_check_config():
     assert spec.cores == (0,) and spec.threads == 1
     assert parse_args(["--tiny", "--output", "/tmp/x"]).shape["hidden_size"] == 64
     assert parse_args(["--output", "/tmp/x"]).shape["hidden_size"] == 1536
+
+
+def test_on_vllm_the_check_runs_the_capacity_part_without_continuation_and_the_stepping_verifier(tmp_path):
+    from spade_bench.gpu_check import parse_args
+
+    config = parse_args(["--backend", "vllm", "--tiny", "--output", str(tmp_path)])
+    assert (config.backend, config.parts, config.step_ahead_tokens) == ("vllm", ("capacity",), 0)
+    assert config.modes == ("target", "spade+advice", "spade+pipe")
+    assert config.shape["hidden_size"] // config.shape["num_attention_heads"] == 32  # vLLM's CPU attention's smallest head
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "vllm", "--parts", "forward,ragged"])
+
+
+def test_on_vllm_without_vllm_the_check_says_so_and_runs_nothing(tmp_path):
+    """Where vLLM does not import (this suite's environment, the lent GPU machines), the check
+    stops first with status 2 and says why."""
+    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0:
+        pytest.fail("this suite's environment has vLLM: the check below needs one without it")
+    completed = subprocess.run(
+        [sys.executable, "-m", "spade_bench.gpu_check", "--backend", "vllm", "--device", "cpu", "--tiny", "--output", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    assert "vLLM does not import" in completed.stderr and not any(tmp_path.iterdir())

@@ -244,6 +244,8 @@ def test_the_gpu_verifier_reserves_a_gpu_and_runs_vllm(compose):
     assert flags(spec["command"])["device"] == "cuda"
     assert interpolate(spec["environment"]["SPADE_VERIFIER_BACKEND"]) == "vllm"
     assert spec["environment"]["SPADE_VERIFIER_BACKEND"] == "${SPADE_GPU_BACKEND:-vllm}"  # transformers: the alternative
+    # the session route on, so edges left on --verifier-wire auto take it
+    assert interpolate(spec["environment"]["SPADE_VERIFIER_PIPELINED_SESSIONS"]) == "true"
 
 
 # --- the real docker compose and hadolint --------------------------------------------------------

@@ -36,6 +36,7 @@ from spade_bench.loopback import wait_until
 from spade_core.params import SamplingConfig
 from spade_models.loader import ModelSource, load_model
 from test_edge_sampling import PROMPT, chi_square_p_value, exact_first_two
+from verifier_support import greedy_continuation
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,46 @@ def test_a_request_ended_by_a_stop_string_closes_its_session(edge_url, verifier_
     assert wait_until(lambda: metric_value(verifier_url, "spade_verifier_pipeline_sessions") == 0, timeout_s=10)
 
 
+class ProposalRecorder(httpx.AsyncHTTPTransport):
+    """The edge's real HTTP transport; remembers every proposal it posts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proposals: list[dict] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/proposals"):
+            self.proposals.append(json.loads(request.content))
+        return await super().handle_async_request(request)
+
+
+def test_at_temperature_one_the_edge_proposes_its_drafters_greedy_tokens(tiny_pair, verifier_url, draft_model):
+    """Proposals are verified one-hot, so any draft that does not depend on the target's p is
+    exact; the greedy one is accepted more often than a sample of q (p(argmax q) against
+    sum p.q). Every drafted token the edge posts at temperature 1 is the drafter's argmax after the
+    tokens decided before the proposal and the drafts before it."""
+    recorder = ProposalRecorder()
+
+    async def run() -> tuple[list[int], list[int]]:
+        settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=verifier_url, verifier_wire="pipelined")
+        engine = await build_engine(settings, EdgeMetrics(), transport=recorder)
+        prompt_ids = engine.tokenizer.encode("The edge drafts")
+        request = GenerationRequest("greedy-drafts", prompt_ids, 40, SamplingConfig(temperature=1.0, seed=5), frozenset())
+        try:
+            output = [token async for batch in engine.generate(request, SpadeStats()) for token in batch.token_ids]
+        finally:
+            await engine.aclose()
+        return prompt_ids, output
+
+    prompt_ids, output = asyncio.run(run())
+    drafted = [proposal for proposal in recorder.proposals if proposal["draft_tokens"]]
+    assert len(drafted) >= 3
+    for proposal in drafted:
+        decided = output[: proposal["start"] - len(prompt_ids)]
+        assert len(decided) == proposal["seen"]
+        assert proposal["draft_tokens"] == greedy_continuation(draft_model.model, prompt_ids + decided, len(proposal["draft_tokens"]))
+
+
 NUM_SEEDS = 1500
 
 
@@ -185,3 +226,68 @@ def test_many_streams_with_half_cut_leave_the_rest_exact_and_no_session_behind(e
     assert [text for text in texts if text is not None] == [expected] * 8
     assert wait_until(lambda: metric_value(verifier_url, "spade_verifier_pipeline_sessions") == 0, timeout_s=10)
     assert wait_until(lambda: metric_value(edge_url, "spade_edge_active_requests") == 0, timeout_s=10)
+
+
+def test_auto_takes_the_wire_the_verifiers_health_prefers(verifier_url):
+    """--verifier-wire auto (the default) follows /health's preferred_wire: a transformers verifier
+    serving pipelined sessions still prefers the verify wire (Run AB: 1.99x against 1.85x); a vLLM
+    one prefers the pipelined wire (the vLLM suite checks the engine it builds)."""
+    from types import SimpleNamespace
+
+    from edge_agent.pipelined_engine import chosen_wire
+    from verifier_service.app import preferred_wire
+    from verifier_service.protocol import VerifierHealth
+
+    health = VerifierHealth.model_validate(httpx.get(verifier_url + "/health", timeout=10).json())
+    assert (health.backend, health.preferred_wire) == ("transformers", "verify")
+    assert [chosen_wire(setting, health) for setting in ("auto", "verify", "pipelined")] == ["verify", "verify", "pipelined"]
+    prefers = SimpleNamespace(prefers_pipelined_sessions=True)
+    assert [preferred_wire(serves, prefers) for serves in (True, False)] == ["pipelined", "verify"]
+    assert chosen_wire("auto", health.model_copy(update={"preferred_wire": "pipelined"})) == "pipelined"
+    older = {name: value for name, value in health.model_dump().items() if name != "preferred_wire"}
+    assert chosen_wire("auto", VerifierHealth.model_validate(older)) == "verify"  # a verifier from before the field
+
+
+class ClosingTransport(httpx.AsyncHTTPTransport):
+    """The edge's real HTTP transport; before the first proposal acknowledging ``at_seen`` tokens
+    it closes the session on the verifier behind the edge's back (as the verifier's idle TTL or
+    its shutdown would): the verifier ends the stream with a ``closed`` event."""
+
+    def __init__(self, at_seen: int) -> None:
+        super().__init__()
+        self.at_seen = at_seen
+        self.closed_at: int | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.closed_at is None and request.method == "POST" and request.url.path.endswith("/proposals"):
+            seen = json.loads(request.content)["seen"]
+            if seen >= self.at_seen:
+                self.closed_at = seen
+                session_path = request.url.path.removesuffix("/proposals")
+                async with httpx.AsyncClient(base_url=f"{request.url.scheme}://{request.url.netloc.decode()}") as client:
+                    assert (await client.delete(session_path)).status_code == 200
+        return await super().handle_async_request(request)
+
+
+def test_a_session_the_verifier_closes_mid_stream_is_opened_again_from_the_tokens_held(tiny_pair, verifier_url, target_model):
+    """A ``closed`` event the edge did not ask for (the verifier's TTL, its shutdown) is not the
+    end of the request: the edge opens the session again from the prompt and every token it holds,
+    and the text is the target's, nothing lost or doubled."""
+    transport = ClosingTransport(at_seen=6)
+
+    async def run() -> tuple[list[int], list[int], SpadeStats]:
+        settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=verifier_url, verifier_wire="pipelined")
+        engine = await build_engine(settings, EdgeMetrics(), transport=transport)
+        prompt_ids, stats = engine.tokenizer.encode("The edge drafts"), SpadeStats()
+        request = GenerationRequest("closed-mid-stream", prompt_ids, 60, SamplingConfig(temperature=0), frozenset())
+        try:
+            output = [token async for batch in engine.generate(request, stats) for token in batch.token_ids]
+        finally:
+            await engine.aclose()
+        return prompt_ids, output, stats
+
+    prompt_ids, output, stats = asyncio.run(run())
+    assert transport.closed_at is not None and transport.closed_at >= 6
+    assert output == greedy_continuation(target_model.model, prompt_ids, 60)
+    assert stats.resyncs == 1
+    assert wait_until(lambda: metric_value(verifier_url, "spade_verifier_pipeline_sessions") == 0, timeout_s=10)

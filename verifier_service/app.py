@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -138,6 +139,12 @@ def current_service(request: Request) -> VerifierService:
     return service
 
 
+def preferred_wire(serves_pipelined_sessions: bool, backend: VerifierBackend) -> Literal["verify", "pipelined"]:
+    """``/health``'s ``preferred_wire``: the pipelined-session wire where this verifier serves it
+    and its backend does better with it (``prefers_pipelined_sessions``), else the verify wire."""
+    return "pipelined" if serves_pipelined_sessions and backend.prefers_pipelined_sessions else "verify"
+
+
 def current_pipeline(request: Request) -> PipelineSessions:
     pipeline = request.app.state.pipeline
     if pipeline is None:
@@ -215,5 +222,6 @@ def _add_verifier_routes(app: FastAPI) -> None:
             max_draft_length=service.limits.max_draft_length,
             max_draft_support=service.limits.max_draft_support,
             backend=service.backend.name,
+            preferred_wire=preferred_wire(request.app.state.pipeline is not None, service.backend),
         )
         return JSONResponse(body.model_dump())

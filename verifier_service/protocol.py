@@ -331,6 +331,11 @@ class VerifierHealth(BaseModel):
     max_draft_support: int
     eos_token_ids: list[int]
     backend: str
+    preferred_wire: Literal["verify", "pipelined"] = Field(
+        "verify",
+        description="The wire an edge on --verifier-wire auto speaks to this verifier: 'pipelined' where it serves "
+        "pipelined sessions (--pipelined-sessions) on a backend that does better with them (vLLM), else 'verify'.",
+    )
     logprobs_support: LogprobsSupport = Field(
         description=f"Which verify calls may ask for logprobs, one of {get_args(LogprobsSupport)}: all, greedy "
         "ones only (vLLM backend, sample_match route), none.",

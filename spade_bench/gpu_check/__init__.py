@@ -23,9 +23,15 @@ weights, the output layer scaled so that greedy choices are clear of near-ties (
                against one verifier, and the prefill-interference scenario
                (``capacity.levels``, ``capacity.prefill_interference``).
 
+The verifier is this project's own engine (the transformers backend), not vLLM's, unless
+``--backend vllm``: then the script first checks that vLLM imports (and stops, saying so, where it
+does not: the lent machines have no vLLM), and runs the capacity part only, target-only on vLLM's
+native decoding and ``spade+pipe`` on its session route (one vLLM request per edge session).
+
 Everything is written under --output (markdown + JSON). On the GPU machine:
 
     scripts/gpu_check --output $OUT                      # about 5 minutes on an H200
+    scripts/gpu_check --backend vllm --output $OUT       # where vLLM is installed
     scripts/gpu_check --device cpu --tiny --output /tmp/g   # the same steps, tiny, on a CPU
 
 The package: ``config`` (the shapes, what a run measures, its command line), ``model`` (the random

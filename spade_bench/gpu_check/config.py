@@ -44,7 +44,13 @@ rows, 1.7x for 32; Run X), the regime of a GPU whose host launches the kernels (
 15-30 ms, flat to 128 rows). It lets a machine
 without a GPU see what the schedule does where a forward costs a fraction of the round trip and
 rows are nearly free; it says nothing of a GPU's own costs."""
-SHAPES = {"qwen2.5-1.5b": QWEN_SHAPE, "tiny": TINY_SHAPE, "host-bound": HOST_BOUND_SHAPE}
+TINY_VLLM_SHAPE = TINY_SHAPE | {"hidden_size": 128, "intermediate_size": 256}
+"""The tiny shape with heads of 32 (vLLM's CPU attention takes no smaller)."""
+SHAPES = {"qwen2.5-1.5b": QWEN_SHAPE, "tiny": TINY_SHAPE, "tiny-vllm": TINY_VLLM_SHAPE, "host-bound": HOST_BOUND_SHAPE}
+BACKENDS = ("transformers", "vllm")
+VLLM_PARTS = ("capacity",)
+"""What runs on ``--backend vllm``: the forward and ragged parts time this project's own forward,
+and the prefill scenario its chunked prefill; vLLM schedules its own."""
 PARTS = ("forward", "ragged", "capacity", "prefill")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "user", "assistant", "system"]
 LOGIT_SCALE = 20.0
@@ -92,6 +98,9 @@ class CheckConfig:
     verifier_cores: tuple[int, ...] = ()
     """The verifiers' cores (one torch thread each), the check itself moving to the others; empty:
     every core for both (a GPU machine's 16 cores)."""
+    backend: str = "transformers"
+    """The verifier's ``--backend``: ``vllm`` serves ``spade+pipe`` on its session route (one vLLM
+    request per edge session) and target-only on vLLM's native decoding."""
 
     @property
     def shape(self) -> dict:
@@ -136,6 +145,13 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
     parser.add_argument("--acceptance", type=float, default=0.7, help="chance a proposal is the target's token (default 0.7)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per user (default 128)")
     parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="transformers",
+        help="the verifier's backend (default transformers); vllm: checks that vLLM imports first, runs the capacity part only, "
+        "without spade+continue and the stepping verifier",
+    )
+    parser.add_argument(
         "--step-ahead-tokens",
         type=int,
         default=8,
@@ -163,9 +179,11 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
             }
         )
     )
+    if args.backend == "vllm":
+        config = on_vllm(config)
     if args.tiny:
         tiny = {
-            "shape_name": "tiny",
+            "shape_name": "tiny-vllm" if args.backend == "vllm" else "tiny",
             "rows": (1, 2, 4, 8),
             "forward_dtypes": ("float32",),
             "ragged_rows": (1, 2, 4, 8),
@@ -178,6 +196,21 @@ def parse_args(argv: list[str] | None) -> CheckConfig:
         }
         config = CheckConfig(**(vars(config) | tiny))
     return config
+
+
+def on_vllm(config: CheckConfig) -> CheckConfig:
+    """``config`` for a verifier on vLLM: the capacity part, the modes vLLM's backend serves (no
+    ``spade+continue``), no stepping verifier.
+
+    Example: parts forward,capacity and modes target,spade+continue,spade+pipe -> capacity and
+    target,spade+pipe."""
+    from spade_bench.capacity.report import CONTINUE
+
+    parts = tuple(part for part in config.parts if part in VLLM_PARTS)
+    if not parts:
+        raise SystemExit(f"--backend vllm runs --parts {','.join(VLLM_PARTS)} only")
+    modes = tuple(mode for mode in config.modes if mode != CONTINUE)
+    return CheckConfig(**(vars(config) | {"backend": "vllm", "parts": parts, "modes": modes, "step_ahead_tokens": 0}))
 
 
 def parse_parts(value: str) -> tuple[str, ...]:

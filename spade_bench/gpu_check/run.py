@@ -30,7 +30,7 @@ def verifier_spec(config: CheckConfig, model_dir: Path, extra: tuple[str, ...] =
     from spade_bench.services import ServiceSpec, console_command
 
     command = console_command("spade-verifier", "verifier_service.cli") + (
-        "--model", str(model_dir), "--device", config.device, "--dtype", config.dtype,
+        "--model", str(model_dir), "--backend", config.backend, "--device", config.device, "--dtype", config.dtype,
         "--max-batch-sessions", str(config.batch_sessions), "--max-draft-length", "64",
         "--max-context-length", str(config.prompt_tokens + config.prefill_tokens + config.max_tokens + 64),
     ) + extra  # fmt: skip
@@ -40,6 +40,17 @@ def verifier_spec(config: CheckConfig, model_dir: Path, extra: tuple[str, ...] =
         )
     cores = tuple(sorted(os.sched_getaffinity(0)))
     return ServiceSpec("verifier-gpu-check" + suffix, command, cores, min(4, len(cores)), config.output_dir / "logs")
+
+
+def require_vllm() -> None:
+    """Exit (status 2) saying so where vLLM does not import: ``--backend vllm`` needs it in this
+    Python (the lent GPU machines have torch and transformers, not vLLM)."""
+    try:
+        import vllm
+    except ImportError as error:
+        print(f"gpu_check --backend vllm: vLLM does not import in {sys.executable} ({error}); nothing was run", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"gpu_check: vLLM {vllm.__version__} imports", flush=True)
 
 
 def pin_check_beside_verifiers(config: CheckConfig) -> tuple[int, ...]:
@@ -65,6 +76,8 @@ def run_check(config: CheckConfig) -> dict:
     from spade_bench.services import Service, start_service
     from verifier_service.tuning import TUNING
 
+    if config.backend == "vllm":
+        require_vllm()
     config.output_dir.mkdir(parents=True, exist_ok=True)
     step = _stepper(time.perf_counter())
     results = CheckResults(config, {"config": {k: str(v) for k, v in vars(config).items()}})
@@ -199,7 +212,8 @@ def host_section(config: CheckConfig, check_cores: tuple[int, ...]) -> str:
     host = host_description(config, check_cores)
     return (
         f"Host: {host['device']}; CPU {host['cpu']}; verifiers on cores {host['verifier_cores']}, "
-        f"the emulated edges on {host['check_cores']}; shape {_shape_name(config)}, {config.dtype}."
+        f"the emulated edges on {host['check_cores']}; shape {_shape_name(config)}, {config.dtype}; "
+        + ("the verifier on vLLM (its session route for spade+pipe)." if config.backend == "vllm" else "this project's engine, not vLLM's.")
     )
 
 

@@ -261,3 +261,22 @@ def test_the_link_fault_proxy_gives_no_wrong_token_and_no_500_on_vllms_session_r
     engine = app.state.service.backend.engine
     assert wait_until(lambda: metric(client, "spade_verifier_pipeline_sessions") == 0, timeout_s=20)
     assert wait_until(lambda: engine.output_processor.get_num_unfinished_requests() == 0, timeout_s=30)
+
+
+async def test_an_edge_left_on_auto_speaks_the_pipelined_wire_to_this_verifier(pipelined_verifier, vllm_pair):
+    """/health prefers the pipelined wire on a vLLM verifier serving pipelined sessions, and the
+    edge's default (--verifier-wire auto) builds its pipelined engine for it."""
+    from edge_agent.app import build_engine
+    from edge_agent.metrics import EdgeMetrics
+    from edge_agent.pipelined_engine import PipelinedEngine
+    from edge_agent.settings import EdgeSettings
+
+    async with httpx.AsyncClient(base_url=pipelined_verifier.url, timeout=30) as client:
+        assert (await client.get("/health")).json()["preferred_wire"] == "pipelined"
+    settings = EdgeSettings(draft_model=str(vllm_pair.draft_dir), verifier_url=pipelined_verifier.url)
+    assert settings.verifier_wire == "auto"
+    engine = await build_engine(settings, EdgeMetrics())
+    try:
+        assert isinstance(engine, PipelinedEngine)
+    finally:
+        await engine.aclose()

@@ -92,3 +92,20 @@ def test_the_vllm_this_suite_runs_is_the_version_the_extra_pins():
 
     extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["vllm"] == [f"vllm=={vllm.__version__.split('+')[0]}"]
+
+
+def test_a_rank_whose_drafts_vllm_does_not_schedule_proposes_nothing_and_reads_no_board(monkeypatch):
+    """Under tensor or pipeline parallelism only the output rank's drafts reach vLLM's scheduler
+    (which sends them to every rank): another rank's proposer reads no board, which need not exist
+    on its node. The output rank's path is the one every engine in this suite runs."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from verifier_service.backends.vllm.proposals import BOARD_ENV, SessionProposer
+
+    monkeypatch.setenv(BOARD_ENV, "/nonexistent/board")  # attaching it would fail
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4))
+    proposer = SessionProposer(config, reads_board=False)
+    assert proposer.board is None
+    assert proposer.propose([[1], [2]], np.array([3, 3]), np.zeros((2, 8), dtype=np.int64)) == [[], []]

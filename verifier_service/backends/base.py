@@ -109,6 +109,10 @@ class VerifierBackend(abc.ABC):
     """One target model behind the verify contract."""
 
     name: str = "base"
+    prefers_pipelined_sessions: bool = False
+    """Whether edges do better on the pipelined-session wire than on the verify wire with this
+    backend, where the verifier serves both (``--pipelined-sessions``): ``/health``'s
+    ``preferred_wire``, which edges on ``--verifier-wire auto`` follow."""
 
     @property
     @abc.abstractmethod

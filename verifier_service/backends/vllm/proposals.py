@@ -19,6 +19,12 @@ takes). Numpy's stores and loads of aligned 8-byte fields are single instruction
 stores in order and loads in order; a weaker memory model (ARM) would need fences around the
 sequence number, which Python cannot place: the route is tested on x86-64 only.
 
+Ranks: under tensor or pipeline parallelism only the output rank reads the board
+(``is_output_rank``): vLLM schedules that rank's drafts for every rank, so the ranks verify the same
+tokens. The board is a file on the verifier's node, so that rank must run there (tensor
+parallelism within a node does; across nodes, vLLM's output rank is the first rank of the last
+pipeline stage, which must then be on the verifier's node).
+
 Rows to sessions: vLLM hands the proposer batch rows (its input batch's token array), not request
 ids. ``SessionProposer`` reads the rows' request ids from the runner that calls it (the caller's
 ``input_batch.req_ids``, found once from the frame that calls ``load_model``): two sessions with the
@@ -201,9 +207,13 @@ class SessionProposer:
     """vLLM's ``custom_class`` proposer: each running request's proposal from the board named by
     ``$SPADE_PROPOSAL_BOARD``, aligned to where the request stands."""
 
-    def __init__(self, vllm_config: Any) -> None:
+    def __init__(self, vllm_config: Any, reads_board: bool | None = None) -> None:
+        """``reads_board``: whether this rank's drafts are the ones vLLM schedules (None: asked of
+        vLLM's parallel state, ``is_output_rank``); another rank proposes nothing and never
+        attaches the board, which need not exist on its node."""
         self.num_speculative_tokens = int(vllm_config.speculative_config.num_speculative_tokens)
-        self.board = ProposalBoard.attach(os.environ[BOARD_ENV])
+        self.reads_board = is_output_rank() if reads_board is None else reads_board
+        self.board = ProposalBoard.attach(os.environ[BOARD_ENV]) if self.reads_board else None
         fix_rejection_sampling()
         self.runner: Any = None
         self.calls = self.proposed_tokens = 0
@@ -216,6 +226,9 @@ class SessionProposer:
         return None
 
     def propose(self, sampled_token_ids: list, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray, **kwargs: Any) -> list[list[int]]:
+        self.calls += 1
+        if self.board is None:  # not the output rank: vLLM takes the output rank's drafts alone
+            return [[] for _ in sampled_token_ids]
         runner = self.runner if self.runner is not None else _calling_runner()
         request_ids = runner.input_batch.req_ids
         proposals: list[list[int]] = []
@@ -229,8 +242,20 @@ class SessionProposer:
             )
             proposals.append(tokens)
             self.proposed_tokens += len(tokens)
-        self.calls += 1
         return proposals
+
+
+def is_output_rank() -> bool:
+    """Whether this model runner's drafts are the ones vLLM schedules: under tensor and pipeline
+    parallelism every rank of the last stage runs the proposer, but vLLM's executor takes the
+    drafts of one rank (``take_draft_token_ids`` with ``unique_reply_rank``: the first tensor rank
+    of the last pipeline stage), and its scheduler sends those same tokens to every rank in the
+    next step (vLLM disables async scheduling for ``custom_class``, the path where a runner would
+    scatter its own drafts). So every rank verifies the same proposal however the board changes
+    between their reads, and only this rank needs to read it."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
 
 
 def _calling_runner() -> Any:
