@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -378,3 +379,52 @@ def test_no_pipelined_session_is_left_on_either_replica(killed):
     deletes = [(replica, status) for method, _, _, replica, status in stream.routes if method == "DELETE"]
     assert deletes == [(stream.holder, "200")]
     assert {name: values["spade_verifier_pipeline_sessions"] for name, values in stream.after.items()} == {"verifier-a": 0, "verifier-b": 0}
+
+
+# --- the pipelined wire through nginx terminating TLS ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_pool(pool, tmp_path_factory):
+    """The same replicas behind a second nginx that terminates TLS (a self-signed certificate for
+    127.0.0.1, which the edge trusts through SSL_CERT_FILE, as httpx reads it): the remote-cloud
+    deployment's front (docs/design.md, "A remote cloud")."""
+    directory = tmp_path_factory.mktemp("nginx-tls")
+    certificate, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(certificate)],
+        check=True,
+        capture_output=True,
+    )
+    listen_port = free_port()
+    config = render_pool_config(directory, listen_port, {name: server.port for name, server in pool.replicas.items()})
+    served = directory / "verifier-pool.conf"
+    listen = f"listen 127.0.0.1:{listen_port};"
+    tls = f"listen 127.0.0.1:{listen_port} ssl;\n    ssl_certificate {certificate};\n    ssl_certificate_key {key};"
+    served.write_text(served.read_text().replace(listen, tls))
+    with running_nginx(config, listen_port):
+        yield f"https://127.0.0.1:{listen_port}", certificate
+
+
+def test_a_pipelined_stream_through_nginx_terminating_tls_is_the_targets_own(tls_pool, pool, target_model, monkeypatch):
+    url, certificate = tls_pool
+    monkeypatch.setenv("SSL_CERT_FILE", str(certificate))
+    assert httpx.get(url + "/health", timeout=10).status_code == 200  # over TLS, trusting the certificate
+
+    async def run() -> tuple[list[int], list[int], SpadeStats]:
+        settings = EdgeSettings(
+            draft_model=str(pool.tiny_pair.draft_dir), verifier_url=url, verifier_wire="pipelined", verifier_api_key=KEY
+        )
+        engine = await build_engine(settings, EdgeMetrics())
+        prompt_ids, stats = engine.tokenizer.encode(PROMPT), SpadeStats()
+        request = GenerationRequest("tls", prompt_ids, MAX_TOKENS, SamplingConfig(temperature=0), engine.model.eos_token_ids)
+        try:
+            output = [token async for batch in engine.generate(request, stats) for token in batch.token_ids]
+        finally:
+            await engine.aclose()
+        return prompt_ids, output, stats
+
+    prompt_ids, output, stats = asyncio.run(run())
+    assert output == greedy_continuation(target_model.model, prompt_ids, MAX_TOKENS, target_model.eos_token_ids)
+    assert stats.verify_calls > 0 and stats.resyncs == 0
