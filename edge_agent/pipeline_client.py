@@ -155,6 +155,9 @@ class PipelineClient:
                         return
                 raise httpx.RemoteProtocolError("the stream ended before the session did")
             except SessionGone:
+                if len(held) >= session.opening.max_tokens:  # it had decided all it was to: nothing to resume
+                    yield DecidedTokens(start=len(held), token_ids=[], finish_reason="length")
+                    return
                 failures += 1
                 try:
                     await self._resume(session, held)
