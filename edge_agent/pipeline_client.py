@@ -109,10 +109,6 @@ class PipelineClient:
         self._http = http
         self.max_resumes = max_resumes
         self.pause_s = pause_s
-        self.num_bad_events = 0
-        """Decided events this client dropped for failing their check."""
-        self.num_resumes = 0
-        """Sessions this client opened again on a verifier that did not hold them."""
 
     async def open(self, session: RemoteSession) -> PipelineOpened:
         """Open ``session``; raises ``PipelineUnsupported`` on a verifier without the wire, the
@@ -165,7 +161,6 @@ class PipelineClient:
                     logger.warning("session %s: opening it again failed (%s)", session.session_id, error)
             except BadAnswer as error:
                 failures, answered_badly = failures + 1, True
-                self.num_bad_events += 1
                 session.num_bad_events += 1
                 logger.warning("session %s: %s (%d in a row); reading again", session.session_id, error, failures)
             except httpx.HTTPError as error:
@@ -203,7 +198,6 @@ class PipelineClient:
             raise ServiceUnavailableError(message, code="verifier_unavailable") from error
         session.offset = len(held)
         session.num_resumes += 1
-        self.num_resumes += 1
 
     async def _stream(self, session: RemoteSession, after: int) -> AsyncIterator[DecidedTokens]:
         path = f"{SESSIONS_PATH}/{session.session_id}/decided"

@@ -17,10 +17,14 @@ from edge_agent.app import create_app as create_edge_app
 from edge_agent.engine import SpeculativeEngine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
+from gateway.engine import GenerationRequest
+from gateway.protocol import SpadeStats
+from spade_core.params import SamplingConfig
 from verifier_service.app import create_app as create_verifier_app
 from verifier_service.settings import VerifierSettings
 
 DONE = "[DONE]"
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def verifier_app(pair, **settings):
@@ -31,6 +35,37 @@ def edge_app(pair, verifier_url: str, draft_length: str | int = "3", **settings)
     return create_edge_app(
         EdgeSettings(draft_model=str(pair.draft_dir), verifier_url=verifier_url, draft_length=str(draft_length), **settings)
     )
+
+
+@dataclass(frozen=True)
+class EdgeGeneration:
+    prompt_ids: list[int]
+    eos_token_ids: frozenset[int]
+    """The request's end tokens."""
+    token_ids: list[int]
+    stats: SpadeStats
+
+
+async def generate_once(
+    settings: EdgeSettings,
+    prompt: str,
+    max_tokens: int,
+    sampling: SamplingConfig = GREEDY,
+    stop_ids: frozenset[int] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> EdgeGeneration:
+    """One request, to its end, through an edge engine built for it (its verifier client over
+    ``transport``, the real HTTP one by default), closed after: the DELETEs that end its sessions
+    are awaited. ``stop_ids``: the request's end tokens (None: the model's)."""
+    engine = await build_engine(settings, EdgeMetrics(), transport=transport)
+    prompt_ids = engine.tokenizer.encode(prompt)
+    eos = engine.model.eos_token_ids if stop_ids is None else stop_ids
+    request, stats = GenerationRequest("edge-test", prompt_ids, max_tokens, sampling, eos), SpadeStats()
+    try:
+        token_ids = [token async for batch in engine.generate(request, stats) for token in batch.token_ids]
+    finally:
+        await engine.aclose()
+    return EdgeGeneration(prompt_ids, eos, token_ids, stats)
 
 
 def sse_payloads(lines) -> list[str]:

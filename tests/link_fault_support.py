@@ -112,17 +112,19 @@ def is_clear_error(outcome: Outcome) -> bool:
     return CLEAN_ERROR_CODES.get(outcome.status) == code
 
 
-def pipelined_fault_run(
+def run_through_faults(
     verifier_url: str,
     edge_for: Callable[[str], object],
     rates: tuple[float, ...],
     requests_per_rate: int,
     max_tokens: int,
+    all_bad_kinds: tuple[str, ...],
     seed: int = 0,
-) -> tuple[FaultRun, FaultProxy]:
-    """Requests through an edge on the pipelined-session wire (``edge_for(proxy_url)``: its app)
-    whose link goes through the fault proxy at each of ``rates``, then 4 while every decided
-    event is spoiled; the reference is the verifier's own target-only text."""
+) -> FaultRun:
+    """Requests through an edge (``edge_for(proxy_url)``: its app) whose link to the verifier goes
+    through the fault proxy at each of ``rates``, then 4 while every answer is hit by one of
+    ``all_bad_kinds``; the reference is the verifier's own target-only text. Every log record of
+    the run is kept (``FaultRun.records``)."""
     recorder = Recorder()
     for name in ("", "uvicorn"):
         logging.getLogger(name).addHandler(recorder)
@@ -134,9 +136,9 @@ def pipelined_fault_run(
             for rate in rates:
                 proxy.rate = rate
                 outcomes += completions(edge_url, requests_per_rate, max_tokens)
-            proxy.rate, proxy.kinds = 1.0, ("next_token", "garbage", "truncate")
+            proxy.rate, proxy.kinds = 1.0, all_bad_kinds
             all_bad = completions(edge_url, 4, max_tokens)
     finally:
         for name in ("", "uvicorn"):
             logging.getLogger(name).removeHandler(recorder)
-    return FaultRun(reference, outcomes, proxy.injected, proxy.num_answers, recorder.records, all_bad), proxy
+    return FaultRun(reference, outcomes, proxy.injected, proxy.num_answers, recorder.records, all_bad)

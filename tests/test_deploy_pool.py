@@ -26,16 +26,12 @@ import openai
 import pytest
 
 from deploy_support import free_port, render_pool_config, running_nginx
-from edge_agent.app import build_engine
-from edge_agent.metrics import EdgeMetrics
 from edge_agent.settings import EdgeSettings
 from edge_agent.verifier_client import SESSION_HEADER
-from edge_support import edge_app, verifier_app
+from edge_support import edge_app, generate_once, verifier_app
 from gateway.affinity import chat_prefix_key
-from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
 from servers import LoopbackServer, serve
-from spade_core.params import SamplingConfig
 from verifier_support import greedy_continuation
 
 KEY = "pool-key-for-tests"
@@ -179,19 +175,12 @@ async def _stream_through_a_restart(pool: Pool) -> RestartedStream:
     transport = RestartingTransport(pool, RESTART_BEFORE_POST)
     earlier_requests = len(pool.routes())
     settings = EdgeSettings(draft_model=str(pool.tiny_pair.draft_dir), verifier_url=pool.url, draft_length="3", verifier_api_key=KEY)
-    engine = await build_engine(settings, EdgeMetrics(), transport=transport)
-    stats, token_ids = SpadeStats(), []
-    request = GenerationRequest(
-        "pool", engine.tokenizer.encode(PROMPT), MAX_TOKENS, SamplingConfig(temperature=0), engine.model.eos_token_ids
-    )
-    try:
-        async for batch in engine.generate(request, stats):
-            token_ids += batch.token_ids
-    finally:
-        await engine.aclose()  # waits for the DELETE that ends the session
+    generation = await generate_once(settings, PROMPT, MAX_TOKENS, transport=transport)  # the session's DELETE awaited
     routes = [row for row in pool.routes(earlier_requests) if row[1] != "/health"]
     after = {name: metrics_of(server) for name, server in pool.replicas.items()}
-    return RestartedStream(request.prompt_token_ids, request.eos_token_ids, token_ids, stats, transport.before_restart, after, routes)
+    return RestartedStream(
+        generation.prompt_ids, generation.eos_token_ids, generation.token_ids, generation.stats, transport.before_restart, after, routes
+    )
 
 
 @pytest.fixture(scope="module")
@@ -321,23 +310,14 @@ async def _pipelined_stream_through_a_kill(pool: Pool) -> KilledStream:
     settings = EdgeSettings(
         draft_model=str(pool.tiny_pair.draft_dir), verifier_url=pool.url, verifier_wire="pipelined", verifier_api_key=KEY
     )
-    engine = await build_engine(settings, EdgeMetrics(), transport=transport)
-    stats, token_ids = SpadeStats(), []
-    request = GenerationRequest(
-        "pool-pipelined", engine.tokenizer.encode(PROMPT), MAX_TOKENS, SamplingConfig(temperature=0), engine.model.eos_token_ids
-    )
-    try:
-        async for batch in engine.generate(request, stats):
-            token_ids += batch.token_ids
-    finally:
-        await engine.aclose()  # waits for the DELETE that ends the session
+    generation = await generate_once(settings, PROMPT, MAX_TOKENS, transport=transport)  # the session's DELETE awaited
     routes = [row for row in pool.routes(earlier_requests) if row[1] != "/health"]
     after = {name: metrics_of(server) for name, server in pool.replicas.items()}
     return KilledStream(
-        request.prompt_token_ids,
-        request.eos_token_ids,
-        token_ids,
-        stats,
+        generation.prompt_ids,
+        generation.eos_token_ids,
+        generation.token_ids,
+        generation.stats,
         transport.holder,
         transport.num_tokens_held_then,
         routes,
@@ -412,19 +392,7 @@ def test_a_pipelined_stream_through_nginx_terminating_tls_is_the_targets_own(tls
     monkeypatch.setenv("SSL_CERT_FILE", str(certificate))
     assert httpx.get(url + "/health", timeout=10).status_code == 200  # over TLS, trusting the certificate
 
-    async def run() -> tuple[list[int], list[int], SpadeStats]:
-        settings = EdgeSettings(
-            draft_model=str(pool.tiny_pair.draft_dir), verifier_url=url, verifier_wire="pipelined", verifier_api_key=KEY
-        )
-        engine = await build_engine(settings, EdgeMetrics())
-        prompt_ids, stats = engine.tokenizer.encode(PROMPT), SpadeStats()
-        request = GenerationRequest("tls", prompt_ids, MAX_TOKENS, SamplingConfig(temperature=0), engine.model.eos_token_ids)
-        try:
-            output = [token async for batch in engine.generate(request, stats) for token in batch.token_ids]
-        finally:
-            await engine.aclose()
-        return prompt_ids, output, stats
-
-    prompt_ids, output, stats = asyncio.run(run())
-    assert output == greedy_continuation(target_model.model, prompt_ids, MAX_TOKENS, target_model.eos_token_ids)
-    assert stats.verify_calls > 0 and stats.resyncs == 0
+    settings = EdgeSettings(draft_model=str(pool.tiny_pair.draft_dir), verifier_url=url, verifier_wire="pipelined", verifier_api_key=KEY)
+    generation = asyncio.run(generate_once(settings, PROMPT, MAX_TOKENS))
+    assert generation.token_ids == greedy_continuation(target_model.model, generation.prompt_ids, MAX_TOKENS, target_model.eos_token_ids)
+    assert generation.stats.verify_calls > 0 and generation.stats.resyncs == 0

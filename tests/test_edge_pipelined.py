@@ -27,7 +27,7 @@ from edge_agent.app import build_engine
 from edge_agent.metrics import EdgeMetrics
 from edge_agent.pipelined_engine import PipelinedEngine
 from edge_agent.settings import EdgeSettings
-from edge_support import edge_app, metric_value, verifier_app
+from edge_support import edge_app, generate_once, metric_value, verifier_app
 from gateway.engine import GenerationRequest
 from gateway.protocol import SpadeStats
 from greedy_support import TINY_PAIR_CASES, Case, Output, generate, user
@@ -136,18 +136,10 @@ def test_at_temperature_one_the_edge_proposes_its_drafters_greedy_tokens(tiny_pa
     tokens decided before the proposal and the drafts before it."""
     recorder = ProposalRecorder()
 
-    async def run() -> tuple[list[int], list[int]]:
-        settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=verifier_url, verifier_wire="pipelined")
-        engine = await build_engine(settings, EdgeMetrics(), transport=recorder)
-        prompt_ids = engine.tokenizer.encode("The edge drafts")
-        request = GenerationRequest("greedy-drafts", prompt_ids, 40, SamplingConfig(temperature=1.0, seed=5), frozenset())
-        try:
-            output = [token async for batch in engine.generate(request, SpadeStats()) for token in batch.token_ids]
-        finally:
-            await engine.aclose()
-        return prompt_ids, output
-
-    prompt_ids, output = asyncio.run(run())
+    settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=verifier_url, verifier_wire="pipelined")
+    sampled = SamplingConfig(temperature=1.0, seed=5)
+    generation = asyncio.run(generate_once(settings, "The edge drafts", 40, sampled, stop_ids=frozenset(), transport=recorder))
+    prompt_ids, output = generation.prompt_ids, generation.token_ids
     drafted = [proposal for proposal in recorder.proposals if proposal["draft_tokens"]]
     assert len(drafted) >= 3
     for proposal in drafted:
@@ -275,19 +267,9 @@ def test_a_session_the_verifier_closes_mid_stream_is_opened_again_from_the_token
     and the text is the target's, nothing lost or doubled."""
     transport = ClosingTransport(at_seen=6)
 
-    async def run() -> tuple[list[int], list[int], SpadeStats]:
-        settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=verifier_url, verifier_wire="pipelined")
-        engine = await build_engine(settings, EdgeMetrics(), transport=transport)
-        prompt_ids, stats = engine.tokenizer.encode("The edge drafts"), SpadeStats()
-        request = GenerationRequest("closed-mid-stream", prompt_ids, 60, SamplingConfig(temperature=0), frozenset())
-        try:
-            output = [token async for batch in engine.generate(request, stats) for token in batch.token_ids]
-        finally:
-            await engine.aclose()
-        return prompt_ids, output, stats
-
-    prompt_ids, output, stats = asyncio.run(run())
+    settings = EdgeSettings(draft_model=str(tiny_pair.draft_dir), verifier_url=verifier_url, verifier_wire="pipelined")
+    generation = asyncio.run(generate_once(settings, "The edge drafts", 60, stop_ids=frozenset(), transport=transport))
     assert transport.closed_at is not None and transport.closed_at >= 6
-    assert output == greedy_continuation(target_model.model, prompt_ids, 60)
-    assert stats.resyncs == 1
+    assert generation.token_ids == greedy_continuation(target_model.model, generation.prompt_ids, 60)
+    assert generation.stats.resyncs == 1
     assert wait_until(lambda: metric_value(verifier_url, "spade_verifier_pipeline_sessions") == 0, timeout_s=10)

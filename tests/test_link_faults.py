@@ -11,9 +11,9 @@ import logging
 import pytest
 
 from edge_support import edge_app, verifier_app
-from link_fault_support import PROMPTS, PROXY_CUT_MESSAGE, FaultRun, Recorder, completions, is_clear_error, target_only
+from link_fault_support import PROXY_CUT_MESSAGE, FaultRun, is_clear_error, run_through_faults
 from servers import serve
-from spade_bench.fault_proxy import FAULT_KINDS, FaultProxy
+from spade_bench.fault_proxy import FAULT_KINDS
 
 pytestmark = pytest.mark.slow  # ~210 requests through three servers: about a minute on a shared CPU
 
@@ -23,24 +23,16 @@ REQUESTS_PER_RATE = 72
 
 
 def _run(pair) -> FaultRun:
-    recorder = Recorder()
-    for name in ("", "uvicorn"):
-        logging.getLogger(name).addHandler(recorder)
-    try:
-        with serve(verifier_app(pair)) as verifier_url:
-            proxy = FaultProxy(verifier_url, seed=22)
-            with serve(proxy) as proxy_url, serve(edge_app(pair, proxy_url, "3", circuit_open_s=0.2)) as edge_url:
-                reference = {prompt: target_only(verifier_url, prompt, MAX_TOKENS) for prompt in PROMPTS}
-                outcomes = []
-                for rate in FAULT_RATES:
-                    proxy.rate = rate
-                    outcomes += completions(edge_url, REQUESTS_PER_RATE, MAX_TOKENS)
-                proxy.rate, proxy.kinds = 1.0, ("next_token", "garbage", "server_error")
-                all_bad = completions(edge_url, 4, MAX_TOKENS)
-    finally:
-        for name in ("", "uvicorn"):
-            logging.getLogger(name).removeHandler(recorder)
-    return FaultRun(reference, outcomes, proxy.injected, proxy.num_answers, recorder.records, all_bad)
+    with serve(verifier_app(pair)) as verifier_url:
+        return run_through_faults(
+            verifier_url,
+            lambda proxy_url: edge_app(pair, proxy_url, "3", circuit_open_s=0.2),
+            FAULT_RATES,
+            REQUESTS_PER_RATE,
+            MAX_TOKENS,
+            all_bad_kinds=("next_token", "garbage", "server_error"),
+            seed=22,
+        )
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from edge_support import edge_app, metric_value, verifier_app
-from link_fault_support import PROXY_CUT_MESSAGE, FaultRun, is_clear_error, pipelined_fault_run
+from link_fault_support import PROXY_CUT_MESSAGE, FaultRun, is_clear_error, run_through_faults
 from servers import serve, wait_until
 from spade_bench.fault_proxy import FAULT_KINDS
 from test_pipeline import pipeline_tokens
@@ -24,6 +24,8 @@ from test_pipeline import pipeline_tokens
 MAX_TOKENS = 12
 FAULT_RATES = (0.05, 0.1, 0.2)
 REQUESTS_PER_RATE = 24
+ALL_BAD_KINDS = ("next_token", "garbage", "truncate")
+"""The kinds every decided event is hit by at the end (a 500 for a whole stream would be a 503)."""
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +33,13 @@ def run(tiny_pair) -> tuple[FaultRun, dict[str, float]]:
     # A window of 4 tokens: the verifier waits for the edge's acknowledgements, so proposals
     # (spoilt ones too) are read; with the default the tiny target outruns the drafter.
     with serve(verifier_app(tiny_pair, pipelined_sessions=True, pipeline_window_tokens=4)) as verifier_url:
-        fault_run, _ = pipelined_fault_run(
+        fault_run = run_through_faults(
             verifier_url,
             lambda proxy_url: edge_app(tiny_pair, proxy_url, verifier_wire="pipelined"),
             FAULT_RATES,
             REQUESTS_PER_RATE,
             MAX_TOKENS,
+            all_bad_kinds=ALL_BAD_KINDS,
             seed=39,
         )
         left_open = wait_until(lambda: metric_value(verifier_url, "spade_verifier_pipeline_sessions") == 0, timeout_s=20)

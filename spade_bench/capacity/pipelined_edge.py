@@ -195,7 +195,7 @@ class PipelinedEdge:
 
         try:
             async for event in pipe.decided(session):
-                run.num_bad_events = pipe.num_bad_events
+                run.num_bad_events = session.num_bad_events
                 loop.call_later(self.rtt_s / 2, arrive, event)
                 if event.finish_reason is not None:
                     return

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from edge_support import edge_app
-from link_fault_support import pipelined_fault_run
+from link_fault_support import run_through_faults
 from servers import serve
 from spade_bench.loopback import wait_until
 from spade_core.params import SamplingConfig
@@ -243,15 +243,16 @@ def test_the_link_fault_proxy_gives_no_wrong_token_and_no_500_on_vllms_session_r
     and vLLM's session route spoils decided events and proposals (``test_link_faults_pipelined``
     has the whole run against the transformers backend); no wrong token, no 500, a clear error
     when every event is spoiled, and no vLLM request left behind."""
-    run, proxy = pipelined_fault_run(
+    run = run_through_faults(
         pipelined_verifier.url,
         lambda proxy_url: edge_app(vllm_pair, proxy_url, verifier_wire="pipelined"),
         rates=(0.1, 0.2),
         requests_per_rate=12,
         max_tokens=12,
+        all_bad_kinds=("next_token", "garbage", "truncate"),
         seed=40,
     )
-    assert sum(proxy.injected.values()) > 20 and proxy.injected["proposal"] > 0
+    assert sum(run.injected.values()) > 20 and run.injected["proposal"] > 0
     assert run.wrong() == [] and run.unclear() == [] and run.server_errors() == []
     assert len(run.exact()) >= 0.9 * len(run.outcomes)
     assert [(o.streamed, o.error["code"]) for o in run.all_bad] == [
